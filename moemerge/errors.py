@@ -1,0 +1,29 @@
+"""One exception tree. The CLI maps each class to an exit code that scripts can rely on.
+
+Exit codes: 0 success, 1 runtime error (bad checkpoint, mismatch, failed output check),
+2 recipe / usage error.
+"""
+
+
+class MoemergeError(Exception):
+    """Base of every error moemerge raises on purpose. Its message is meant for the user."""
+
+    exit_code = 1
+
+
+class RecipeError(MoemergeError):
+    """The recipe (or a CLI option) is invalid: names the file and the field."""
+
+    exit_code = 2
+
+
+class CheckpointError(MoemergeError):
+    """A checkpoint is missing, truncated, unreadable or in a refused format: names the file."""
+
+
+class MismatchError(MoemergeError):
+    """Models that must agree do not (architecture, shape, vocabulary): names tensor and models."""
+
+
+class OutputError(MoemergeError):
+    """The output cannot be written safely, or failed its own check after writing."""
