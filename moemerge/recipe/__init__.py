@@ -1,0 +1,9 @@
+"""Recipes: what to build, validated strictly before anything is read."""
+
+from moemerge.recipe.load import load_recipe, parse_recipe, recipe_errors
+from moemerge.recipe.models import ExpertRef, MergeRecipe, MergeSpec, ModelRef, MoERecipe
+
+__all__ = [
+    "ExpertRef", "MergeRecipe", "MergeSpec", "ModelRef", "MoERecipe",
+    "load_recipe", "parse_recipe", "recipe_errors",
+]

@@ -1,0 +1,117 @@
+"""Architecture tables (kept as data in dense.yaml / moe.yaml) and tensor classification."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+
+import yaml
+
+from moemerge.errors import MismatchError
+
+Role = str  # "embed" | "attn" | "norm" | "ffn" | "lm_head"
+
+
+@dataclass(frozen=True)
+class TensorRole:
+    """What a dense tensor is: its role, its layer (None for global tensors), FFN projection."""
+
+    name: str
+    role: Role
+    layer: int | None = None
+    proj: str | None = None  # "gate" | "up" | "down" for role "ffn"
+
+
+@dataclass(frozen=True)
+class DenseFamily:
+    name: str
+    model_types: tuple[str, ...]
+    moe_target: str
+    tensors: dict[str, str]
+    layer_tensors: dict[str, str]
+    optional: frozenset[str] = field(default_factory=frozenset)
+
+    def classify(self, name: str) -> TensorRole | None:
+        if name in self.tensors:
+            return TensorRole(name, self.tensors[name])
+        match = _LAYER_NAME.fullmatch(name)
+        if match and match["rest"] in self.layer_tensors:
+            role, _, proj = self.layer_tensors[match["rest"]].partition(".")
+            return TensorRole(name, role, int(match["layer"]), proj or None)
+        return None
+
+    def expected_names(self, num_layers: int, *, tied_embeddings: bool) -> list[str]:
+        """Every tensor a checkpoint of this family must hold (optional ones excluded)."""
+        names = [n for n in self.tensors if not (tied_embeddings and n in self.optional)]
+        for layer in range(num_layers):
+            names += [
+                f"model.layers.{layer}.{rest}"
+                for rest in self.layer_tensors
+                if rest not in self.optional and not _is_bias(rest)
+            ]
+        return names
+
+
+@dataclass(frozen=True)
+class MoELayout:
+    name: str
+    architecture: str
+    model_type: str
+    expert: str
+    projections: dict[str, str]
+    router: str
+    shared_expert: dict[str, list[str]] = field(default_factory=dict)
+
+    def expert_name(self, layer: int, expert: int, proj: str) -> str:
+        return self.expert.format(layer=layer, expert=expert, proj=self.projections[proj])
+
+    def router_name(self, layer: int) -> str:
+        return self.router.format(layer=layer)
+
+
+_LAYER_NAME = re.compile(r"model\.layers\.(?P<layer>\d+)\.(?P<rest>.+)")
+
+
+def _is_bias(rest: str) -> bool:
+    # biases are present only when the config asks for them (e.g. attention_bias); classify
+    # accepts them, but their absence is not an error
+    return rest.endswith(".bias")
+
+
+def _load(file: str) -> dict:
+    return yaml.safe_load(resources.files(__package__).joinpath(file).read_text())
+
+
+@cache
+def dense_families() -> dict[str, DenseFamily]:
+    return {
+        name: DenseFamily(
+            name=name,
+            model_types=tuple(spec["model_types"]),
+            moe_target=spec["moe_target"],
+            tensors=dict(spec["tensors"]),
+            layer_tensors=dict(spec["layer_tensors"]),
+            optional=frozenset(spec.get("optional", ())),
+        )
+        for name, spec in _load("dense.yaml").items()
+    }
+
+
+@cache
+def moe_layouts() -> dict[str, MoELayout]:
+    return {name: MoELayout(name=name, **spec) for name, spec in _load("moe.yaml").items()}
+
+
+def family_for_config(config: dict, where: str) -> DenseFamily:
+    """The dense family of a checkpoint, from its config.json `model_type`."""
+    model_type = config.get("model_type")
+    for family in dense_families().values():
+        if model_type in family.model_types:
+            return family
+    supported = sorted(t for f in dense_families().values() for t in f.model_types)
+    raise MismatchError(
+        f"{where}: model_type {model_type!r} is not supported as a dense source. "
+        f"Supported model types: {', '.join(supported)}."
+    )

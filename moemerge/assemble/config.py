@@ -1,0 +1,70 @@
+"""Output config.json, written explicitly as plain JSON with the classic keys.
+
+transformers 5 writes `rope_parameters` and `dtype`; transformers 4 reads `rope_theta`,
+`rope_scaling` and `torch_dtype`, and silently falls back to the MoE class's own defaults
+(Mixtral: rope_theta 1e6) when they are missing. Both majors read the classic keys, so the
+output carries those, copied from the source, and nothing that only one major understands.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moemerge.architectures import MoELayout
+
+# keys copied verbatim from the dense source when present
+COPIED = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings",
+    "initializer_range", "rms_norm_eps", "use_cache", "pad_token_id", "bos_token_id",
+    "eos_token_id", "tie_word_embeddings", "attention_dropout", "attention_bias", "sliding_window",
+    "use_sliding_window", "max_window_layers",
+)
+
+
+def rope_keys(source: dict) -> dict:
+    """rope_theta / rope_scaling from either a transformers-4 or a transformers-5 config."""
+    params = source.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:  # transformers 5
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        if scaling.get("rope_type", "default") == "default":
+            scaling = None
+        return {"rope_theta": params["rope_theta"], "rope_scaling": scaling}
+    theta = source.get("rope_theta", 10000.0)  # transformers 4; 1e4 is the Llama default
+    return {"rope_theta": theta, "rope_scaling": source.get("rope_scaling")}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dense_config(source: dict, dtype: torch.dtype) -> dict:
+    """A dense merge keeps the source's config, normalised to the classic keys."""
+    config = {k: v for k, v in source.items() if k not in ("rope_parameters", "dtype")}
+    config.update(rope_keys(source), torch_dtype=dtype_name(dtype))
+    config.pop("transformers_version", None)
+    return config
+
+
+def moe_config(
+    source: dict, layout: MoELayout, dtype: torch.dtype, *, num_experts: int, experts_per_token: int
+) -> dict:
+    config = {"architectures": [layout.architecture], "model_type": layout.model_type}
+    config.update({k: source[k] for k in COPIED if k in source})
+    config.update(rope_keys(source), torch_dtype=dtype_name(dtype))
+    config.setdefault("tie_word_embeddings", False)
+    config.update(num_experts_per_tok=experts_per_token, output_router_logits=False)
+    intermediate = source["intermediate_size"]
+    if layout.model_type == "mixtral":
+        config.update(num_local_experts=num_experts, router_aux_loss_coef=0.02,
+                      router_jitter_noise=0.0)
+    else:  # Qwen MoEs: renormalised top-k matches Mixtral; every layer sparse
+        config.update(
+            num_experts=num_experts, moe_intermediate_size=intermediate,
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+            router_aux_loss_coef=0.001,
+        )
+    if layout.model_type == "qwen2_moe":
+        # the mandatory shared expert is written as zeros of width 1 (see moe.yaml)
+        config.update(shared_expert_intermediate_size=1, qkv_bias=True)
+    return config

@@ -1,0 +1,80 @@
+"""The one loop that moves tensor data: read sources, merge, cast, write.
+
+A three-stage pipeline: one thread reads the sources of upcoming jobs, one merges, the caller's
+thread writes. Torch kernels and file IO release the GIL, so the stages overlap; at most
+`lookahead` jobs are in flight, which bounds memory to a few tensors per input model.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from moemerge.merge.methods import merge
+from moemerge.merge.primitives import generator_for
+from moemerge.plan.jobs import Job, Plan, Source
+
+Load = Callable[[Source], torch.Tensor]
+MakeRouter = Callable[[Job, Load], torch.Tensor]
+
+
+def compute(job: Job, load: Load, make_router: MakeRouter | None, seed: int) -> torch.Tensor:
+    """The output tensor of one job, in the job's dtype."""
+    if job.kind == "copy":
+        out = load(job.sources[0])
+    elif job.kind == "zeros":
+        out = torch.zeros(job.shape)
+    elif job.kind == "router":
+        assert make_router is not None, "router job without a router factory"
+        out = make_router(job, load)
+    else:
+        params = job.merge
+        assert params is not None
+        out = merge(
+            params.method,
+            base=load(job.base) if job.base is not None else None,
+            tensors=[load(s) for s in job.sources],
+            weights=list(job.weights) or None,
+            density=params.density,
+            lam=params.lam,
+            normalize=params.normalize,
+            # one generator per output tensor: same bytes whatever the order or thread count
+            generator=generator_for(seed, job.output),
+        )
+    return out.to(job.dtype).contiguous()
+
+
+def run_jobs(
+    plan: Plan, load: Load, make_router: MakeRouter | None, seed: int, *, lookahead: int = 3
+) -> Iterator[tuple[Job, torch.Tensor]]:
+    """Yield (job, tensor) in plan order, computing up to `lookahead` jobs ahead."""
+
+    def prefetch(job: Job) -> dict[Source, torch.Tensor]:
+        if job.kind == "router" and make_router is not None and job.router_init != "task_vector":
+            return {}
+        sources = [*job.sources, *([job.base] if job.base is not None else [])]
+        return {s: load(s) for s in sources}
+
+    with ThreadPoolExecutor(1, "moemerge-read") as reads, ThreadPoolExecutor(1, "moemerge-merge") as merges:
+        pending: deque[tuple[Job, Future]] = deque()
+        jobs = iter(plan.jobs)
+
+        def submit(job: Job) -> None:
+            loaded = reads.submit(prefetch, job)
+            pending.append((job, merges.submit(
+                lambda: compute(job, loaded.result().__getitem__, make_router, seed)
+            )))
+
+        for job in jobs:
+            submit(job)
+            if len(pending) >= lookahead:
+                break
+        while pending:
+            job, future = pending.popleft()
+            yield job, future.result()
+            next_job = next(jobs, None)
+            if next_job is not None:
+                submit(next_job)

@@ -1,0 +1,127 @@
+"""Recipe + input headers -> Plan. Shapes are validated here, before any tensor data is read."""
+
+from __future__ import annotations
+
+import torch
+
+from moemerge.architectures import TensorRole, moe_layouts
+from moemerge.assemble.config import dense_config, moe_config
+from moemerge.errors import MismatchError
+from moemerge.plan.jobs import Job, Plan, Source
+from moemerge.plan.params import resolve_merge
+from moemerge.plan.sources import SourceModel
+from moemerge.recipe.models import MergeRecipe, MoERecipe
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def output_dtype(requested: str, base: SourceModel) -> torch.dtype:
+    """'auto' keeps the base's dtype: its config's, else that of its embedding tensor."""
+    if requested != "auto":
+        return DTYPES[requested]
+    declared = base.config.get("torch_dtype") or base.config.get("dtype")
+    if declared in DTYPES:
+        return DTYPES[declared]
+    embed = next(n for n, r in base.roles.items() if r.role == "embed")
+    return base.reader.meta(embed).dtype
+
+
+def _write_order(roles: dict[str, TensorRole]) -> list[str]:
+    """Embeddings first, then layer by layer, then final norm and head: the order loaders read."""
+
+    def key(name: str) -> tuple:
+        role = roles[name]
+        if role.layer is not None:
+            return (1, role.layer, name)
+        return (0 if role.role == "embed" else 2, 0, name)
+
+    return sorted(roles, key=key)
+
+
+def _merge_job(
+    name: str, role: TensorRole, shape, dtype, spec, merged: list[int], weights, base: int | None
+) -> Job:
+    params = resolve_merge(spec, role.role, role.layer)
+    if params.method == "base":
+        return Job(name, shape, dtype, "copy", role.role, role.layer, (Source(base, name),))
+    if len(merged) == 1 and params.method == "average":
+        return Job(name, shape, dtype, "copy", role.role, role.layer, (Source(merged[0], name),))
+    return Job(
+        name, shape, dtype, "merge", role.role, role.layer,
+        sources=tuple(Source(m, name) for m in merged),
+        base=Source(base, name) if base is not None else None,
+        weights=tuple(weights),
+        merge=params,
+    )
+
+
+def plan_merge(recipe: MergeRecipe, models: list[SourceModel]) -> Plan:
+    """Dense merge. models = [base?] + recipe.models, base first when the recipe names one."""
+    has_base = recipe.base_model is not None
+    base = 0 if has_base else None
+    merged = list(range(int(has_base), len(models)))
+    ref = models[0]
+    dtype = output_dtype(recipe.output.dtype, ref)
+    weights = [m.weight for m in recipe.models]
+    jobs = [
+        _merge_job(name, ref.roles[name], ref.reader.meta(name).shape, dtype, recipe.merge,
+                   merged, weights, base)
+        for name in _write_order(ref.roles)
+    ]
+    return Plan([m.label for m in models], jobs, dense_config(ref.config, dtype))
+
+
+def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:
+    """Branch-Train-Mix. models = [base] + experts; each expert's FFN becomes an MoE expert in
+    every layer (the base's own FFN last when include_base_expert), the other tensors are merged
+    across the experts, and a router is added to every layer."""
+    base = models[0]
+    layout = moe_layouts()[base.family.moe_target]
+    dtype = output_dtype(recipe.output.dtype, base)
+    experts = list(range(1, len(models)))
+    ffn_owners = experts + ([0] if recipe.include_base_expert else [])
+    weights = [e.weight for e in recipe.experts]
+    hidden = base.config["hidden_size"]
+    _refuse_unsupported_tensors(base, layout.name)
+
+    jobs: list[Job] = []
+    layers_done: set[int] = set()
+    for name in _write_order(base.roles):
+        role = base.roles[name]
+        shape = base.reader.meta(name).shape
+        if role.role != "ffn":
+            jobs.append(_merge_job(name, role, shape, dtype, recipe.merge, experts, weights, 0))
+            continue
+        layer = role.layer
+        if layer not in layers_done:  # the router and shared-expert stubs, once per layer
+            layers_done.add(layer)
+            gates = [n for n, r in base.roles.items() if r.layer == layer and r.proj == "gate"]
+            jobs.append(Job(
+                layout.router_name(layer), (len(ffn_owners), hidden), dtype, "router", "router",
+                layer, sources=tuple(Source(m, gates[0]) for m in ffn_owners),
+                base=Source(0, gates[0]), router_init=recipe.router.init,
+            ))
+            for pattern, dims in layout.shared_expert.items():
+                shape_ = tuple({"hidden": hidden, "shared": 1}.get(d, d) for d in dims)
+                jobs.append(Job(pattern.format(layer=layer), shape_, dtype, "zeros", "ffn", layer))
+        for index, owner in enumerate(ffn_owners):
+            jobs.append(Job(
+                layout.expert_name(layer, index, role.proj), shape, dtype, "copy", "ffn", layer,
+                (Source(owner, name),),
+            ))
+    config = moe_config(
+        base.config, layout, dtype,
+        num_experts=len(ffn_owners), experts_per_token=recipe.experts_per_token,
+    )
+    return Plan([m.label for m in models], jobs, config)
+
+
+def _refuse_unsupported_tensors(base: SourceModel, target: str) -> None:
+    if target == "mixtral":
+        biased = [n for n in base.roles if n.endswith(".bias")]
+        if biased:
+            raise MismatchError(
+                f"{base.where()} has bias tensors (e.g. {biased[0]!r}) but Mixtral has no biases; "
+                "a Llama/Mistral with attention or MLP biases cannot become a Mixtral without "
+                "losing them. Qwen2 sources (biased attention) go to Qwen2-MoE instead."
+            )

@@ -1,0 +1,78 @@
+"""The plan: one job per output tensor, known before any tensor data is read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from moemerge.plan.params import ResolvedMerge
+
+JobKind = Literal["copy", "merge", "router", "zeros"]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Tensor `tensor` of input model number `model` (an index into Plan.models)."""
+
+    model: int
+    tensor: str
+
+
+@dataclass(frozen=True)
+class Job:
+    """How one output tensor is made.
+
+    copy:   sources[0], cast.          merge:  `merge` over sources, with `base` as reference.
+    router: a router weight [E, H] for `layer`; sources are the experts' gate projections and
+            base is the base's (used by the task_vector init).
+    zeros:  an all-zero tensor (e.g. Qwen2-MoE's disabled shared expert).
+    """
+
+    output: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    kind: JobKind
+    role: str
+    layer: int | None = None
+    sources: tuple[Source, ...] = ()
+    base: Source | None = None
+    weights: tuple[float, ...] = ()
+    merge: ResolvedMerge | None = None
+    router_init: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return torch.Size(self.shape).numel() * self.dtype.itemsize
+
+
+@dataclass
+class Plan:
+    """Everything `execute` needs: labelled inputs, the jobs in write order, the output config."""
+
+    labels: list[str]
+    jobs: list[Job]
+    config: dict
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(job.nbytes for job in self.jobs)
+
+    def describe_job(self, job: Job) -> str:
+        def src(s: Source) -> str:
+            return f"{self.labels[s.model]}:{s.tensor}"
+
+        if job.kind == "copy":
+            how = f"copy {src(job.sources[0])}"
+        elif job.kind == "merge":
+            assert job.merge is not None
+            base = f" base={self.labels[job.base.model]}" if job.base else ""
+            models = ", ".join(self.labels[s.model] for s in job.sources)
+            how = f"{job.merge.describe()} of [{models}]{base}"
+        elif job.kind == "router":
+            how = f"router init={job.router_init}"
+        else:
+            how = "zeros"
+        return how

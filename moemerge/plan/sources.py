@@ -1,0 +1,133 @@
+"""Open the recipe's input models (headers only) and check that they can be merged together."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+from moemerge.architectures import DenseFamily, TensorRole, family_for_config
+from moemerge.errors import MismatchError
+from moemerge.io.reader import CheckpointReader
+from moemerge.io.resolve import resolve_model
+from moemerge.recipe.models import ModelRef
+
+# config.json keys on which every input model must agree for tensors to line up
+MUST_AGREE = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "intermediate_size", "vocab_size", "tie_word_embeddings", "head_dim",
+)
+
+
+@dataclass
+class SourceModel:
+    label: str
+    path: Path
+    reader: CheckpointReader
+    family: DenseFamily
+    roles: dict[str, TensorRole]  # every tensor of the checkpoint, classified
+
+    @property
+    def config(self) -> dict:
+        return self.reader.config
+
+    def where(self) -> str:
+        return f"{self.label} ({self.path})"
+
+
+def resolve_ref(ref: ModelRef, recipe_dir: Path | None) -> Path:
+    """A relative local path is looked up next to the recipe first, then in the working dir."""
+    if recipe_dir is not None and not Path(ref.model).is_absolute():
+        candidate = recipe_dir / ref.model
+        if candidate.is_dir():
+            return candidate.resolve()
+    return resolve_model(ref.model, ref.revision)
+
+
+def open_sources(
+    refs: list[tuple[str, ModelRef]], recipe_dir: Path | None, *, allow_pickle: bool, stack: ExitStack
+) -> list[SourceModel]:
+    """Open every (label, ref) model; the readers are closed by `stack`."""
+    models = []
+    for label, ref in refs:
+        path = resolve_ref(ref, recipe_dir)
+        reader = stack.enter_context(CheckpointReader(path, allow_pickle=allow_pickle))
+        family = family_for_config(reader.config, f"{label} ({path}/config.json)")
+        roles = {}
+        for name in reader.names():
+            role = family.classify(name)
+            if role is None:
+                raise MismatchError(
+                    f"tensor {name!r} in {label} ({path}) is not a known {family.name}-family "
+                    "tensor; moemerge will not guess what it is. Supported layouts are listed in "
+                    "moemerge/architectures/dense.yaml."
+                )
+            roles[name] = role
+        models.append(SourceModel(label, path, reader, family, roles))
+    check_compatible(models)
+    return models
+
+
+def check_compatible(models: list[SourceModel]) -> None:
+    """Same family, same config shape keys, same tensor names and shapes, same vocabulary."""
+    ref = models[0]
+    for other in models[1:]:
+        if other.family.name != ref.family.name:
+            raise MismatchError(
+                f"architecture mismatch: {ref.where()} is {ref.config.get('model_type')} but "
+                f"{other.where()} is {other.config.get('model_type')}; models merged together "
+                "must share one architecture"
+            )
+        for key in MUST_AGREE:
+            a, b = ref.config.get(key), other.config.get(key)
+            if a != b and not (key == "tie_word_embeddings" and not a and not b):
+                raise MismatchError(
+                    f"config mismatch: {key} is {a!r} in {ref.where()} but {b!r} in "
+                    f"{other.where()}"
+                )
+        _check_tensors(ref, other)
+        _check_vocab(ref, other)
+
+
+def _check_tensors(ref: SourceModel, other: SourceModel) -> None:
+    for name in ref.reader.names():
+        if name not in other.reader:
+            raise MismatchError(
+                f"tensor {name!r} is in {ref.where()} but missing from {other.where()}"
+            )
+        a, b = ref.reader.meta(name).shape, other.reader.meta(name).shape
+        if a != b:
+            hint = ""
+            if ref.roles[name].role in ("embed", "lm_head") and a[1:] == b[1:]:
+                hint = f" (different vocabularies: {a[0]} vs {b[0]} tokens)"
+            raise MismatchError(
+                f"shape mismatch for tensor {name!r}: {list(a)} in {ref.where()} but {list(b)} "
+                f"in {other.where()}{hint}"
+            )
+    extra = [n for n in other.reader.names() if n not in ref.reader]
+    if extra:
+        raise MismatchError(
+            f"tensor {extra[0]!r} is in {other.where()} but missing from {ref.where()}"
+            + (f" ({len(extra) - 1} more)" if len(extra) > 1 else "")
+        )
+
+
+def vocab_fingerprint(path: Path) -> str | None:
+    """A hash of the tokenizer's vocabulary (tokenizer.json's model + added tokens), if any."""
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        return None
+    data = json.loads(file.read_text())
+    payload = json.dumps([data.get("model"), data.get("added_tokens")], sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _check_vocab(ref: SourceModel, other: SourceModel) -> None:
+    a, b = vocab_fingerprint(ref.path), vocab_fingerprint(other.path)
+    if a is not None and b is not None and a != b:
+        raise MismatchError(
+            f"different vocabularies: the tokenizer of {other.where()} differs from that of "
+            f"{ref.where()}; token ids would not line up. Merge only models that share a tokenizer."
+        )

@@ -1,0 +1,169 @@
+"""Recipe schema: pydantic models, strict (an unknown or misspelt key is an error).
+
+No torch import here: a recipe can be validated without loading any tensor library.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Role = Literal["embed", "attn", "norm", "ffn", "lm_head"]
+MethodName = Literal["base", "average", "task_arithmetic", "ties", "dare_linear", "dare_ties"]
+OutputDType = Literal["auto", "float32", "float16", "bfloat16"]
+METHODS_NEEDING_BASE = {"base", "task_arithmetic", "ties", "dare_linear", "dare_ties"}
+METHODS_WITH_DENSITY = {"ties", "dare_linear", "dare_ties"}
+
+
+def _refs_from_str(value):
+    """Let a model list hold plain strings as a shorthand for `{model: ...}`."""
+    if isinstance(value, list):
+        return [{"model": v} if isinstance(v, str) else v for v in value]
+    return value
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelRef(Strict):
+    """A dense checkpoint: a local directory or a hub id (`org/name`), optional revision."""
+
+    model: str = Field(min_length=1)
+    revision: str | None = None
+    weight: float = Field(default=1.0, ge=0.0, description="Weight in non-FFN merges.")
+
+
+class ExpertRef(ModelRef):
+    name: str | None = Field(default=None, description="Display name; defaults to the dir name.")
+    positive_prompts: list[str] = Field(default_factory=list)
+    negative_prompts: list[str] = Field(default_factory=list)
+
+
+class MergeParams(Strict):
+    """How a group of tensors is merged. Unset fields take the method's defaults."""
+
+    method: MethodName | None = None
+    density: float | None = Field(default=None, gt=0.0, le=1.0)
+    lam: float | None = Field(default=None, alias="lambda")
+    normalize: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class Override(MergeParams):
+    """Parameters for the tensors of some roles and/or layers (later overrides win)."""
+
+    roles: list[Role] | None = None
+    layers: list[int] | None = Field(default=None, description="Layer indices; None = all.")
+
+    @model_validator(mode="after")
+    def _selects_something(self) -> Override:
+        if self.roles is None and self.layers is None:
+            raise ValueError("an override needs `roles` and/or `layers` to say what it applies to")
+        return self
+
+
+class MergeSpec(MergeParams):
+    """The merge of the non-FFN (or, for `kind: merge`, all) tensors."""
+
+    method: MethodName = "average"
+    overrides: list[Override] = Field(default_factory=list)
+
+
+class RouterSpec(Strict):
+    init: Literal["random", "prompts", "cheap_embed", "task_vector"] = "random"
+    std: float | None = Field(default=None, gt=0.0, description="Std of random init.")
+    max_prompt_tokens: int = Field(default=512, gt=0)
+
+
+class OutputSpec(Strict):
+    dtype: OutputDType = "auto"
+    max_shard_size: str | int = "5GB"
+
+
+class _RecipeBase(Strict):
+    name: str | None = None
+    seed: int = 0
+    output: OutputSpec = OutputSpec()
+
+
+class MergeRecipe(_RecipeBase):
+    """`kind: merge`: N dense models of one architecture become one dense model."""
+
+    kind: Literal["merge"]
+    base_model: ModelRef | None = None
+    models: list[ModelRef] = Field(min_length=1)
+    merge: MergeSpec = MergeSpec()
+
+    @field_validator("base_model", mode="before")
+    @classmethod
+    def _ref_from_str(cls, value):
+        return {"model": value} if isinstance(value, str) else value
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _refs_from_str(cls, value):
+        return _refs_from_str(value)
+
+    @model_validator(mode="after")
+    def _base_when_needed(self) -> MergeRecipe:
+        methods = {self.merge.method} | {o.method for o in self.merge.overrides if o.method}
+        needing = sorted(methods & METHODS_NEEDING_BASE)
+        if needing and self.base_model is None:
+            raise ValueError(f"base_model: merge method(s) {', '.join(needing)} need a base_model")
+        return self
+
+
+class MoERecipe(_RecipeBase):
+    """`kind: moe`: a base plus N dense experts branched from it become one MoE."""
+
+    kind: Literal["moe"]
+    assembly: Literal["token_routed"] = "token_routed"
+    base_model: ModelRef
+    experts: list[ExpertRef] = Field(min_length=1)
+    include_base_expert: bool = Field(
+        default=False, description="Add the base model's own FFN as one more expert."
+    )
+    experts_per_token: int = Field(default=2, ge=1)
+    merge: MergeSpec = MergeSpec()
+    router: RouterSpec = RouterSpec()
+
+    @field_validator("base_model", mode="before")
+    @classmethod
+    def _ref_from_str(cls, value):
+        return {"model": value} if isinstance(value, str) else value
+
+    @field_validator("experts", mode="before")
+    @classmethod
+    def _refs_from_str(cls, value):
+        return _refs_from_str(value)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.experts) + int(self.include_base_expert)
+
+    @model_validator(mode="after")
+    def _k_fits(self) -> MoERecipe:
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(
+                f"experts_per_token: {self.experts_per_token} is larger than the number of experts "
+                f"({self.num_experts})"
+            )
+        if any(o.roles and "ffn" in o.roles for o in self.merge.overrides):
+            raise ValueError(
+                "merge.overrides: role 'ffn' cannot be merged in kind: moe (each expert's FFN "
+                "becomes an MoE expert); remove it"
+            )
+        if self.router.init in ("prompts", "cheap_embed"):
+            missing = [e.name or e.model for e in self.experts if not e.positive_prompts]
+            if missing:
+                raise ValueError(
+                    f"router.init: '{self.router.init}' needs positive_prompts for every expert; "
+                    "missing for " + ", ".join(missing)
+                )
+        return self
+
+
+Recipe = Annotated[MergeRecipe | MoERecipe, Field(discriminator="kind")]

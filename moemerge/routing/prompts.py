@@ -1,0 +1,121 @@
+"""Mean hidden states of prompts, for the `prompts` and `cheap_embed` router inits.
+
+Both need the base model's tokenizer; `prompts` also runs the base model (loaded once, in fp32,
+with transformers) and records each layer's router input: the output of post_attention_layernorm.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from moemerge.errors import CheckpointError
+from moemerge.recipe.models import ExpertRef
+from moemerge.routing.init import contrast_rows
+
+
+def _tokenize(tokenizer, prompts: list[str], max_tokens: int) -> list[torch.Tensor]:
+    return [
+        torch.tensor(tokenizer(p, add_special_tokens=False)["input_ids"][:max_tokens])
+        for p in prompts
+        if p.strip()
+    ]
+
+
+def _load_tokenizer(base_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(base_dir)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"router init from prompts needs the base model's tokenizer, but none loads from "
+            f"{base_dir}: {exc}"
+        ) from None
+
+
+def _per_layer_means(model, ids_list: list[torch.Tensor]) -> torch.Tensor:
+    """Mean router input over every token of the prompts: [L, H]."""
+    layers = model.model.layers
+    sums = [None] * len(layers)
+    count = 0
+
+    def hook(index):
+        def record(_module, _inputs, output):
+            total = output[0].sum(dim=0)  # output: [1, T, H] -> [H]
+            sums[index] = total if sums[index] is None else sums[index] + total
+
+        return record
+
+    handles = [
+        layer.post_attention_layernorm.register_forward_hook(hook(i))
+        for i, layer in enumerate(layers)
+    ]
+    try:
+        with torch.no_grad():
+            for ids in ids_list:
+                model(input_ids=ids[None])
+                count += ids.numel()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.stack(sums) / count
+
+
+def prompt_router_rows(
+    base_dir: Path, experts: list[ExpertRef], *, include_base: bool, max_tokens: int
+) -> torch.Tensor:
+    """Router weights for every layer from the experts' prompts: [L, E, H]."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = _load_tokenizer(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model.eval()
+
+    def means(prompts: list[str]) -> torch.Tensor | None:
+        ids = _tokenize(tokenizer, prompts, max_tokens)
+        return _per_layer_means(model, ids) if ids else None
+
+    positive = [means(e.positive_prompts) for e in experts]
+    negative = [means(e.negative_prompts) for e in experts]
+    return _stack_layers(positive, negative, include_base)
+
+
+def embed_router_rows(
+    base_dir: Path,
+    experts: list[ExpertRef],
+    embed: torch.Tensor,
+    norms: list[torch.Tensor],
+    *,
+    include_base: bool,
+    max_tokens: int,
+) -> torch.Tensor:
+    """cheap_embed: embed [V, H], norms[l] [H] post-attention norm weights -> [L, E, H]."""
+    tokenizer = _load_tokenizer(base_dir)
+    scale = torch.stack([n.float() for n in norms])  # [L, H]
+
+    def means(prompts: list[str]) -> torch.Tensor | None:
+        ids = _tokenize(tokenizer, prompts, max_tokens)
+        if not ids:
+            return None
+        mean = embed[torch.cat(ids)].float().mean(dim=0)  # [H]
+        return mean[None] * scale  # [L, H]
+
+    positive = [means(e.positive_prompts) for e in experts]
+    negative = [means(e.negative_prompts) for e in experts]
+    return _stack_layers(positive, negative, include_base)
+
+
+def _stack_layers(positive, negative, include_base: bool) -> torch.Tensor:
+    """positive[e], negative[e]: [L, H] (or None) -> [L, E(+1), H]; the base expert's row is 0."""
+    num_layers, hidden = positive[0].shape
+    per_layer = []
+    for layer in range(num_layers):
+        rows = contrast_rows(
+            [p[layer] for p in positive], [n[layer] if n is not None else None for n in negative]
+        )
+        if include_base:
+            rows = torch.cat([rows, torch.zeros(1, hidden)])
+        per_layer.append(rows)
+    return torch.stack(per_layer)

@@ -1,0 +1,42 @@
+"""Make the router tensor of a plan's router job, whatever the recipe's init."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from moemerge.plan.jobs import Job, Source
+from moemerge.recipe.models import MoERecipe
+from moemerge.routing.init import random_router, task_vector_router
+from moemerge.routing.prompts import embed_router_rows, prompt_router_rows
+
+Load = Callable[[Source], torch.Tensor]
+
+
+class RouterFactory:
+    """Built once per build; `make(job, load)` returns the router weight [E, H] in fp32."""
+
+    def __init__(self, recipe: MoERecipe, base_dir: Path, base_config: dict, load_base: Callable):
+        self.recipe = recipe
+        self.std = recipe.router.std or base_config.get("initializer_range", 0.02)
+        self._rows: torch.Tensor | None = None  # [L, E, H] for prompts / cheap_embed
+        init, kwargs = recipe.router.init, {
+            "include_base": recipe.include_base_expert,
+            "max_tokens": recipe.router.max_prompt_tokens,
+        }
+        if init == "prompts":
+            self._rows = prompt_router_rows(base_dir, recipe.experts, **kwargs)
+        elif init == "cheap_embed":
+            embed, norms = load_base()
+            self._rows = embed_router_rows(base_dir, recipe.experts, embed, norms, **kwargs)
+
+    def make(self, job: Job, load: Load) -> torch.Tensor:
+        init = self.recipe.router.init
+        if init == "random":
+            return random_router(job.shape, self.std, self.recipe.seed, job.output)
+        if init == "task_vector":
+            return task_vector_router(load(job.base), [load(s) for s in job.sources])
+        assert self._rows is not None
+        return self._rows[job.layer]
