@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Literal
 
 from moemerge.assemble.card import model_card
-from moemerge.errors import OutputError, RecipeError
 from moemerge.assemble.verify import FULL_LOAD_LIMIT, check_loads, check_structure
+from moemerge.errors import OutputError, RecipeError
 from moemerge.execute import run_jobs
 from moemerge.io.atomic import atomic_output_dir, copy_side_files
 from moemerge.io.writer import ShardedWriter, parse_size
@@ -128,7 +128,12 @@ def _with_progress(jobs, plan: Plan, enabled: bool):
         yield from jobs
         return
     from rich.progress import (
-        BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
     )
 
     columns = (

@@ -58,7 +58,10 @@ def run_jobs(
         sources = [*job.sources, *([job.base] if job.base is not None else [])]
         return {s: load(s) for s in sources}
 
-    with ThreadPoolExecutor(1, "moemerge-read") as reads, ThreadPoolExecutor(1, "moemerge-merge") as merges:
+    with (
+        ThreadPoolExecutor(1, "moemerge-read") as reads,
+        ThreadPoolExecutor(1, "moemerge-merge") as merges,
+    ):
         pending: deque[tuple[Job, Future]] = deque()
         jobs = iter(plan.jobs)
 

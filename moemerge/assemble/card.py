@@ -12,23 +12,24 @@ from moemerge.recipe.models import MergeRecipe, MoERecipe
 def model_card(recipe: MergeRecipe | MoERecipe, plan: Plan, recipe_text: str) -> str:
     if isinstance(recipe, MoERecipe):
         bases = [recipe.base_model.model, *(e.model for e in recipe.experts)]
-        experts = [e.name or e.model for e in recipe.experts]
+        experts = [(e.name or "", e.model) for e in recipe.experts]
         if recipe.include_base_expert:
-            experts.append(f"{recipe.base_model.model} (base FFN)")
+            experts.append(("base", recipe.base_model.model))
         what = (
             f"a token-routed Mixture-of-Experts ({plan.config['architectures'][0]}) with "
             f"{len(experts)} experts, {recipe.experts_per_token} per token, built from dense "
             f"experts branched from `{recipe.base_model.model}`"
         )
         details = [
-            "| expert | source |", "|---|---|",
-            *(f"| {i} | {name} |" for i, name in enumerate(experts)),
+            "| expert | name | FFN from |", "|---|---|---|",
+            *(f"| {i} | {name} | `{model}` |" for i, (name, model) in enumerate(experts)),
             "",
             f"Non-FFN tensors merged with `{recipe.merge.method}`; router init "
             f"`{recipe.router.init}`.",
         ]
     else:
-        bases = [m.model for m in ([recipe.base_model] if recipe.base_model else []) + recipe.models]
+        refs = ([recipe.base_model] if recipe.base_model else []) + recipe.models
+        bases = [m.model for m in refs]
         what = f"a dense `{recipe.merge.method}` merge of {len(recipe.models)} models"
         details = ["| model | weight |", "|---|---|",
                    *(f"| {m.model} | {m.weight:g} |" for m in recipe.models)]

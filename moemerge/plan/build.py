@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from moemerge.architectures import TensorRole, moe_layouts
-from moemerge.assemble.config import dense_config, moe_config
+from moemerge.architectures.config import dense_config, moe_config
 from moemerge.errors import MismatchError
 from moemerge.plan.jobs import Job, Plan, Source
 from moemerge.plan.params import resolve_merge

@@ -47,7 +47,11 @@ def resolve_ref(ref: ModelRef, recipe_dir: Path | None) -> Path:
 
 
 def open_sources(
-    refs: list[tuple[str, ModelRef]], recipe_dir: Path | None, *, allow_pickle: bool, stack: ExitStack
+    refs: list[tuple[str, ModelRef]],
+    recipe_dir: Path | None,
+    *,
+    allow_pickle: bool,
+    stack: ExitStack,
 ) -> list[SourceModel]:
     """Open every (label, ref) model; the readers are closed by `stack`."""
     models = []

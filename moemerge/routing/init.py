@@ -4,9 +4,9 @@ The gate sees the layer's post-attention-normed hidden state h [H]; expert e's l
 
 - random:      w_e ~ N(0, std²), std = config.initializer_range (0.02 by default): small logits,
                so top-k starts close to uniform instead of saturating as N(0, 1) would.
-- prompts:     w_e = unit(mean h over expert e's positive prompts − mean h over its negative
-               prompts), h taken at that layer's router input in the base model. Tokens that look
-               like an expert's prompts score highest for it.
+- prompts:     w_e = unit(c_e − mean_e' c_e'), c_e = mean h over expert e's positive prompts −
+               mean h over its negative prompts, h taken at that layer's router input in the base
+               model. Tokens that look like an expert's prompts score highest for it.
 - cheap_embed: as prompts, but h is replaced by the mean input embedding of the prompt tokens,
                scaled by the layer's post-attention norm weight; no forward pass.
 - task_vector: w_e = mean over the FFN's gate units of expert e's gate-projection task vector
@@ -43,7 +43,16 @@ def task_vector_router(base_gate: torch.Tensor, expert_gates: list[torch.Tensor]
     return unit_rows(rows)
 
 
-def contrast_rows(positive: list[torch.Tensor], negative: list[torch.Tensor | None]) -> torch.Tensor:
-    """positive[e], negative[e]: mean vectors [H] (negative may be None) -> unit rows [E, H]."""
+def contrast_rows(
+    positive: list[torch.Tensor], negative: list[torch.Tensor | None]
+) -> torch.Tensor:
+    """positive[e], negative[e]: mean vectors [H] (negative may be None) -> unit rows [E, H].
+
+    Rows are centred across experts before normalising: a component shared by every row shifts
+    all logits equally (softmax ignores it) but, left in, would dominate each row's norm and
+    shrink the differences that do the routing."""
     rows = [p - n if n is not None else p for p, n in zip(positive, negative, strict=True)]
-    return unit_rows(torch.stack(rows).float())
+    stacked = torch.stack(rows).float()
+    if len(rows) > 1:
+        stacked = stacked - stacked.mean(dim=0, keepdim=True)
+    return unit_rows(stacked)

@@ -1,0 +1,31 @@
+"""Tiny models made offline from text every machine has: random checkpoints of each supported
+family (for tests) and sets of branched domain experts (for `moemerge demo` and the test-suite).
+"""
+
+from moemerge.toy.corpora import DOMAINS, domain_text, domain_texts
+from moemerge.toy.experts import (
+    DEMO,
+    FAMILIES,
+    TINY,
+    ToySet,
+    ToySpec,
+    cached_toy_experts,
+    make_random_model,
+    make_toy_experts,
+)
+from moemerge.toy.tokenizer import train_tokenizer
+
+__all__ = [
+    "DEMO",
+    "DOMAINS",
+    "FAMILIES",
+    "TINY",
+    "ToySet",
+    "ToySpec",
+    "cached_toy_experts",
+    "domain_text",
+    "domain_texts",
+    "make_random_model",
+    "make_toy_experts",
+    "train_tokenizer",
+]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moemerge.architectures import MoELayout
+from moemerge.architectures.tables import MoELayout
 
 # keys copied verbatim from the dense source when present
 COPIED = (

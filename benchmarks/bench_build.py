@@ -1,0 +1,196 @@
+"""Build speed and memory, as ratios to floors and to mergekit measured in the same run.
+
+Makes a random Llama base and three noisy copies of it (4 models; default hidden 1024, 8 layers,
+~106M parameters, 0.4 GB each in fp32), then runs, each in a fresh process so that its peak RSS
+is its own:
+
+  io_floor:<kind>          read every input byte + write as many bytes as the output (no torch)
+  moemerge:<kind>:<m>      `moemerge build` (kind dense or moe; non-FFN method m)
+  mergekit:<kind>:<m>      the equivalent mergekit recipe (`--mergekit PATH/TO/bin`), when given
+
+Dense merges merge the three copies with the base as reference; the MoE keeps each copy's FFN as
+an expert. Results: benchmarks/results/build.{json,md}.
+
+    python benchmarks/bench_build.py [--hidden 1024] [--layers 8] [--mergekit /venv/bin]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+METHODS = ("average", "ties", "dare_ties")
+MERGEKIT_METHOD = {"average": "linear", "ties": "ties", "dare_ties": "dare_ties"}
+CHILD = r"""
+import json, resource, subprocess, sys, time
+mode, args = sys.argv[1], json.loads(sys.argv[2])
+t0 = time.perf_counter()
+if mode == "idle":
+    import torch  # noqa: F401
+elif mode == "io_floor":
+    block = bytearray(1 << 24)
+    for path in args["inputs"]:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(block):
+                pass
+    with open(args["out"], "wb") as out:
+        left = args["out_bytes"]
+        while left > 0:
+            left -= out.write(memoryview(block)[: min(left, len(block))])
+elif mode == "moemerge":
+    from moemerge.api import build
+    build(args["recipe"], args["out"], progress=False, verify="structure")
+else:  # an external command; its peak RSS is that of the waited-for child
+    subprocess.run(args["cmd"], check=True, capture_output=True)
+usage = resource.getrusage(resource.RUSAGE_SELF if mode != "cmd" else resource.RUSAGE_CHILDREN)
+print(json.dumps({"seconds": time.perf_counter() - t0, "peak_rss_mib": usage.ru_maxrss / 1024}))
+"""
+
+
+def child(mode: str, **args) -> dict:
+    done = subprocess.run([sys.executable, "-c", CHILD, mode, json.dumps(args)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{mode} {args} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def make_inputs(root: Path, hidden: int, layers: int, copies: int = 3) -> list[Path]:
+    """A random Llama base and `copies` noisy copies of it (stand-ins for fine-tunes)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from moemerge.toy.experts import make_random_model
+
+    base = make_random_model("llama", root / "base", hidden=hidden, layers=layers,
+                             heads=hidden // 64, kv_heads=max(1, hidden // 256),
+                             intermediate=hidden * 11 // 4, vocab=8192)
+    tensors = load_file(base / "model.safetensors")
+    paths = [base]
+    for e in range(copies):
+        expert = root / f"m{e}"
+        expert.mkdir()
+        (expert / "config.json").write_bytes((base / "config.json").read_bytes())
+        gen = torch.Generator().manual_seed(e)
+        noisy = {n: t + 0.01 * torch.randn(t.shape, generator=gen) for n, t in tensors.items()}
+        save_file(noisy, expert / "model.safetensors", metadata={"format": "pt"})
+        paths.append(expert)
+    return paths
+
+
+def moemerge_recipe(root: Path, models: list[Path], kind: str, method: str) -> Path:
+    others = "".join(f"\n  - {m}" for m in models[1:])
+    key = "models" if kind == "dense" else "experts"
+    path = root / f"moemerge-{kind}-{method}.yaml"
+    path.write_text(f"kind: {'merge' if kind == 'dense' else 'moe'}\nbase_model: {models[0]}\n"
+                    f"{key}:{others}\nmerge: {{method: {method}, density: 0.7, lambda: 1.0}}\n")
+    return path
+
+
+def mergekit_recipe(root: Path, models: list[Path], kind: str, method: str) -> Path:
+    path = root / f"mergekit-{kind}-{method}.yaml"
+    if kind == "dense":
+        params = "weight: 1.0" + (", density: 0.7" if method != "average" else "")
+        entries = "".join(f"\n  - model: {m}\n    parameters: {{{params}}}" for m in models[1:])
+        base = f"base_model: {models[0]}\n" if method != "average" else ""
+        path.write_text(f"merge_method: {MERGEKIT_METHOD[method]}\n{base}models:{entries}\n"
+                        "parameters: {normalize: true}\ndtype: float32\n")
+    else:  # mergekit-moe copies the base's non-FFN tensors; compare with moemerge `method: base`
+        entries = "".join(f"\n  - source_model: {m}\n    positive_prompts: ['x']"
+                          for m in models[1:])
+        path.write_text(f"base_model: {models[0]}\ngate_mode: random\ndtype: float32\n"
+                        f"experts:{entries}\n")
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--mergekit", type=Path, help="bin/ directory holding mergekit-yaml")
+    opts = parser.parse_args()
+
+    from moemerge.api import build
+    from moemerge.io.reader import CheckpointReader
+
+    runs: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:
+        root = Path(tmp)
+        models = make_inputs(root, opts.hidden, opts.layers)
+        weights = [str(m / "model.safetensors") for m in models]
+        with CheckpointReader(models[0]) as reader:
+            largest = max(m.nbytes for m in reader.metas.values())
+            params = sum(math.prod(m.shape) for m in reader.metas.values())
+        runs["idle"] = child("idle")
+        for kind, methods in (("dense", METHODS), ("moe", ("base", *METHODS))):
+            plan = build(moemerge_recipe(root, models, kind, "average"), None, dry_run=True,
+                         progress=False).plan
+            runs[f"io_floor:{kind}"] = child("io_floor", inputs=weights, out=str(root / "floor"),
+                                             out_bytes=plan.total_bytes)
+            runs[f"io_floor:{kind}"]["out_bytes"] = plan.total_bytes
+            for method in methods:
+                out = root / f"out-{kind}-{method}"
+                runs[f"moemerge:{kind}:{method}"] = child(
+                    "moemerge", recipe=str(moemerge_recipe(root, models, kind, method)),
+                    out=str(out))
+                subprocess.run(["rm", "-rf", str(out)], check=True)
+            for method in ("base",) if kind == "moe" else METHODS:
+                if opts.mergekit is None:
+                    break
+                out = root / f"mk-{kind}-{method}"
+                tool = "mergekit-moe" if kind == "moe" else "mergekit-yaml"
+                cmd = [str(opts.mergekit / tool), str(mergekit_recipe(root, models, kind, method)),
+                       str(out), "--lazy-unpickle"] + (["--no-copy-tokenizer"] if kind == "dense"
+                                                        else [])
+                runs[f"mergekit:{kind}:{method}"] = child("cmd", cmd=cmd)
+                subprocess.run(["rm", "-rf", str(out)], check=True)
+    report(opts, runs, largest, params)
+
+
+def report(opts, runs: dict, largest: int, params: int) -> None:
+    idle = runs.pop("idle")["peak_rss_mib"]
+    rows = []
+    for name, r in runs.items():
+        kind = name.split(":")[1]
+        floor = runs[f"io_floor:{kind}"]
+        mk = runs.get(f"mergekit:{kind}:{name.split(':')[2]}") if name.count(":") == 2 else None
+        rss = r["peak_rss_mib"] - idle
+        rows.append({
+            "run": name, "seconds": round(r["seconds"], 2),
+            "x_io_floor": round(r["seconds"] / floor["seconds"], 2),
+            "x_mergekit_time": round(r["seconds"] / mk["seconds"], 2) if mk else None,
+            "peak_rss_above_idle_mib": round(rss, 1),
+            "x_mergekit_rss": round(r["peak_rss_mib"] / mk["peak_rss_mib"], 2) if mk else None,
+            "throughput_mib_s": round(floor["out_bytes"] / 2**20 / r["seconds"], 1),
+        })
+    meta = {
+        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} "
+        "cores", "python": platform.python_version(),
+        "models": f"4 × llama hidden {opts.hidden}, {opts.layers} layers, vocab 8192, "
+                  f"{params / 1e6:.0f}M params, fp32",
+        "largest_tensor_mib": round(largest / 2**20, 1), "idle_torch_rss_mib": round(idle, 1),
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "build.json").write_text(json.dumps({"meta": meta, "runs": rows}, indent=2) + "\n")
+    head = ("| run | s | × I/O floor | × mergekit time | peak RSS above idle (MiB) | "
+            "× mergekit RSS | output MiB/s |")
+    lines = [f"# build benchmark ({meta['date']})", "",
+             "; ".join(f"{k}: {v}" for k, v in meta.items() if k != "date"), "", head,
+             "|---|---|---|---|---|---|---|"]
+    lines += ["| " + " | ".join("–" if v is None else str(v) for v in r.values()) + " |"
+              for r in rows]
+    (RESULTS / "build.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Do transformers 4 and 5 compute the same logits from a moemerge output?
+
+transformers 5 reads `rope_parameters`, transformers 4 reads `rope_theta`; an output that only
+one of them understands loads in the other with the MoE class's defaults (Mixtral: rope_theta
+1e6) and silently gives other logits. This builds an MoE from perturbed experts for every source
+family with the installed moemerge (transformers 5), computes logits here, then in a Python that
+has transformers 4.4x (`--python`), and records the max |diff|.
+
+    python3 -m venv /tmp/t4 && /tmp/t4/bin/pip install torch==2.13.0 "transformers>=4.45,<5"
+    python benchmarks/compat_transformers4.py --python /tmp/t4/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+LOGITS = r"""
+import sys, torch, transformers
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32).eval()
+ids = torch.load(sys.argv[2])
+with torch.no_grad():
+    torch.save(model(input_ids=ids).logits, sys.argv[3])
+print(transformers.__version__)
+"""
+
+
+def logits_in(python: str, model: Path, ids: Path, out: Path) -> str:
+    done = subprocess.run([python, "-c", LOGITS, str(model), str(ids), str(out)],
+                          check=True, capture_output=True, text=True)
+    return done.stdout.strip().splitlines()[-1]
+
+
+def build_moe(root: Path, family: str) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    from moemerge.api import build
+    from moemerge.toy.experts import make_random_model
+
+    base = make_random_model(family, root / f"{family}-base", hidden=64, layers=2, vocab=256)
+    experts = []
+    for e in range(2):
+        expert = root / f"{family}-e{e}"
+        expert.mkdir()
+        (expert / "config.json").write_bytes((base / "config.json").read_bytes())
+        gen = torch.Generator().manual_seed(e)
+        tensors = {n: t + 0.05 * torch.randn(t.shape, generator=gen)
+                   for n, t in load_file(base / "model.safetensors").items()}
+        save_file(tensors, expert / "model.safetensors", metadata={"format": "pt"})
+        experts.append(expert)
+    recipe = root / f"{family}.yaml"
+    recipe.write_text(f"kind: moe\nbase_model: {base}\nexperts: [{experts[0]}, {experts[1]}]\n"
+                      "experts_per_token: 1\nrouter: {init: task_vector}\n")
+    build(recipe, root / f"{family}-moe", progress=False)
+    return root / f"{family}-moe"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--python", required=True, help="a Python with transformers 4.4x")
+    opts = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+        torch.save(ids, root / "ids.pt")
+        for family in ("llama", "mistral", "qwen2", "qwen3"):
+            moe = build_moe(root, family)
+            v5 = logits_in(sys.executable, moe, root / "ids.pt", root / "v5.pt")
+            v4 = logits_in(opts.python, moe, root / "ids.pt", root / "v4.pt")
+            diff = (torch.load(root / "v5.pt") - torch.load(root / "v4.pt")).abs().max().item()
+            arch = json.loads((moe / "config.json").read_text())["architectures"][0]
+            rows.append({"family": family, "output": arch, "transformers_5": v5,
+                         "transformers_4": v4, "max_abs_diff": diff})
+    lines = [f"# transformers 4 vs 5 on moemerge outputs ({time.strftime('%Y-%m-%d')})", "",
+             "| source | output | transformers 5 | transformers 4 | max abs logit diff |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['family']} | {r['output']} | {r['transformers_5']} | {r['transformers_4']} "
+              f"| {r['max_abs_diff']:.2e} |" for r in rows]
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "compat_transformers4.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""`moemerge demo`: the main job end to end on tiny experts made offline.
+
+workdir/
+  .moemerge-demo       marks the directory as the demo's own, so a rerun may replace it
+  toy/                 base/, experts/<domain>/, data/<domain>.eval.txt (copied from the cache)
+  toy_moe.yaml         the bundled recipes, next to toy/ so their relative paths resolve
+  toy_merge.yaml
+  moe/                 the built Mixtral (Branch-Train-Mix)
+  merged/              the dense TIES merge of the same experts, for comparison
+"""
+
+from __future__ import annotations
+
+import shutil
+from importlib import resources
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from moemerge.errors import OutputError, RecipeError
+from moemerge.io.atomic import atomic_output_dir
+
+MARKER = ".moemerge-demo"
+RECIPES = {"moe": "toy_moe.yaml", "merged": "toy_merge.yaml"}
+
+
+def preset_spec(name: str):
+    from moemerge.toy import DEMO, TINY
+
+    presets = {"demo": DEMO, "tiny": TINY}
+    if name not in presets:
+        raise RecipeError(f"--preset: must be one of {', '.join(presets)}, got {name!r}")
+    return presets[name]
+
+
+def bundled_recipe(name: str) -> Path:
+    path = Path(str(resources.files("moemerge") / "recipes" / name))
+    if not path.is_file():
+        raise RecipeError(f"bundled recipe {name} is missing from the installation ({path})")
+    return path
+
+
+def materialise_toy_set(spec, directory: Path, *, force: bool = False, progress: bool = True):
+    """Copy the (cached, made on first use) toy experts into `directory`."""
+    from moemerge.toy import cached_toy_experts
+
+    toyset = cached_toy_experts(spec, progress=progress)
+    with atomic_output_dir(directory, force=force) as tmp:
+        for part in ("base", "experts", "data"):
+            shutil.copytree(toyset.root / part, tmp / part)
+    return toyset
+
+
+def _claim_workdir(workdir: Path) -> None:
+    if workdir.exists() and not (workdir / MARKER).exists():
+        raise OutputError(
+            f"{workdir} exists and was not made by `moemerge demo`; choose another --workdir"
+        )
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / MARKER).touch()
+
+
+def run_demo(workdir: Path, *, preset_name: str = "demo", console: Console | None = None) -> Table:
+    """Make the toy experts, build both bundled recipes, return the perplexity table."""
+    from moemerge.api import build
+    from moemerge.eval.perplexity import perplexity_table, render_table
+
+    console = console or Console(stderr=True)
+    spec = preset_spec(preset_name)
+    _claim_workdir(workdir)
+    console.print(f"[bold]1/3[/] toy experts ({preset_name} preset; cached after the first run)")
+    toyset = materialise_toy_set(spec, workdir / "toy", force=True)
+    console.print("[bold]2/3[/] building the bundled recipes")
+    built = {}
+    for output, recipe_name in RECIPES.items():
+        recipe = workdir / recipe_name
+        shutil.copyfile(bundled_recipe(recipe_name), recipe)
+        build(recipe, workdir / output, force=True, progress=console.is_terminal)
+        built[output] = workdir / output
+        console.print(f"  built {workdir / output} from {recipe_name}")
+    console.print("[bold]3/3[/] perplexity on held-out text of each domain (lower is better)")
+    toy = workdir / "toy"
+    models = {"base": toy / "base"}
+    models |= {f"expert:{d}": toy / "experts" / d for d in toyset.experts}
+    models |= {"merge (ties)": built["merged"], "moe (btx)": built["moe"]}
+    texts = {d: (toy / "data" / f"{d}.eval.txt").read_text() for d in toyset.experts}
+    table = perplexity_table(models, texts, seq_len=spec.seq_len)
+    return render_table(table, title=f"perplexity per domain ({workdir})")

@@ -1,0 +1,121 @@
+"""Perplexity of causal LMs on held-out text, and a table of it per model and domain.
+
+The text is tokenised once (no special tokens) and cut into non-overlapping windows of
+seq_len + 1 tokens: each window predicts its last seq_len tokens from the ones before, so every
+token but the first of each window is scored exactly once. A trailing partial window is scored
+too. Perplexity = exp(mean NLL over all scored tokens), the same for any batch size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.table import Table
+
+ModelRef = Path | str | torch.nn.Module | tuple  # a path, a model, or (model, tokenizer)
+
+
+def _windows(ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
+    """Non-overlapping windows of at most seq_len + 1 tokens; the last may be shorter."""
+    step = seq_len + 1
+    return [ids[i : i + step] for i in range(0, len(ids) - 1, step)]  # each has >= 2 tokens
+
+
+@torch.no_grad()
+def perplexity(
+    model,
+    tokenizer,
+    text: str,
+    *,
+    seq_len: int = 128,
+    max_tokens: int | None = 20000,
+    batch_size: int = 8,
+) -> float:
+    """exp(mean next-token NLL) of `model` on `text`, using at most `max_tokens` tokens."""
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    ids = torch.tensor(ids[:max_tokens] if max_tokens else ids, dtype=torch.long)
+    if len(ids) < 2:
+        raise ValueError("perplexity needs a text of at least 2 tokens")
+    model.eval()
+    device = next(model.parameters()).device
+    windows = _windows(ids, seq_len)
+    total_nll, total_tokens = 0.0, 0
+    for start in range(0, len(windows), batch_size):
+        chunk = windows[start : start + batch_size]
+        for length in sorted({len(w) for w in chunk}):  # the short last window runs alone
+            batch = torch.stack([w for w in chunk if len(w) == length]).to(device)  # [B, T + 1]
+            logits = model(input_ids=batch[:, :-1]).logits.float()  # [B, T, V]
+            nll = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
+            total_nll += nll.item()
+            total_tokens += batch[:, 1:].numel()
+    return math.exp(total_nll / total_tokens)
+
+
+def _load(ref: ModelRef, tokenizer):
+    """(model, tokenizer, loaded_here) for a path, a model (needs `tokenizer`) or a pair."""
+    if isinstance(ref, (str, Path)):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # a "Loading weights" bar per model only adds noise
+        try:
+            model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
+        return model, AutoTokenizer.from_pretrained(ref), True
+    if isinstance(ref, tuple):
+        return ref[0], ref[1], False
+    if tokenizer is None:
+        raise ValueError("a model given as an object needs tokenizer=... (or a (model, tok) pair)")
+    return ref, tokenizer, False
+
+
+def perplexity_table(
+    models: Mapping[str, ModelRef],
+    texts: Mapping[str, str],
+    *,
+    tokenizer=None,
+    **kw,
+) -> dict[str, dict[str, float]]:
+    """{model label: {domain: perplexity}}; models loaded from paths are freed after use.
+
+    `kw` goes to `perplexity` (seq_len, max_tokens, batch_size). Each model is scored with its
+    own tokenizer (the one saved next to it, or `tokenizer` for model objects).
+    """
+    table: dict[str, dict[str, float]] = {}
+    for label, ref in models.items():
+        model, tok, loaded_here = _load(ref, tokenizer)
+        table[label] = {
+            domain: perplexity(model, tok, text, **kw) for domain, text in texts.items()
+        }
+        if loaded_here:
+            del model  # keep one loaded model at a time
+    return table
+
+
+def render_table(
+    table: Mapping[str, Mapping[str, float]], title: str | None = None, highlight_best: bool = True
+) -> Table:
+    """Rows = models, columns = domains + mean; the lowest value per column in bold green."""
+    domains = list(next(iter(table.values()), {}))
+    rows = {label: [row[d] for d in domains] for label, row in table.items()}
+    rows = {label: values + [sum(values) / len(values)] for label, values in rows.items() if values}
+    columns = [*domains, "mean"]
+    best = [min(values[i] for values in rows.values()) for i in range(len(columns))] if rows else []
+    out = Table(title=title)
+    out.add_column("model")
+    for name in columns:
+        out.add_column(name, justify="right")
+    for label, values in rows.items():
+        cells = [
+            f"[bold green]{v:.2f}[/]" if highlight_best and v == best[i] else f"{v:.2f}"
+            for i, v in enumerate(values)
+        ]
+        out.add_row(label, *cells)
+    return out

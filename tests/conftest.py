@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny random models of every supported family, written to tmp dirs."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+torch.set_num_threads(2)
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def write_recipe(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def perturbed_copy(src: Path, dst: Path, *, scale: float, seed: int, only: str = "") -> Path:
+    """A copy of checkpoint `src` with N(0, scale²) noise added to tensors whose name contains
+    `only` (all when empty): a stand-in for a fine-tuned expert branched from `src`."""
+    shutil.copytree(src, dst)
+    gen = torch.Generator().manual_seed(seed)
+    for file in dst.glob("*.safetensors"):
+        tensors = load_file(file)
+        for name, t in tensors.items():
+            if only in name:
+                tensors[name] = t + scale * torch.randn(t.shape, generator=gen).to(t.dtype)
+        save_file(tensors, file, metadata={"format": "pt"})
+    return dst
+
+
+TEXT = "def add(a, b):\n    return a + b\n\nThe sum of two numbers. Q: What is 2 + 3? A: 5.\n"
+VOCAB = 300  # the tokenizer's 260 specials and bytes, a few merges, some unused ids
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from moemerge.toy.tokenizer import train_tokenizer
+
+    return train_tokenizer([TEXT * 20], vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory, tokenizer):
+    """make(family, **kw) -> path of a tiny random model with a tokenizer, cached per args."""
+    from moemerge.toy.experts import make_random_model
+
+    root = tmp_path_factory.mktemp("models")
+    made: dict[tuple, Path] = {}
+
+    def make(family: str = "llama", **kwargs) -> Path:
+        key = (family, tuple(sorted(kwargs.items())))
+        if key not in made:
+            kwargs.setdefault("vocab", VOCAB)
+            made[key] = make_random_model(family, root / f"{family}-{len(made)}",
+                                          tokenizer=tokenizer, **kwargs)
+        return made[key]
+
+    return make

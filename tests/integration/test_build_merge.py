@@ -1,0 +1,53 @@
+"""Dense merges through the whole pipeline match the pure merge functions."""
+
+import pytest
+import torch
+from conftest import perturbed_copy, write_recipe
+from safetensors.torch import load_file
+
+from moemerge.api import build
+from moemerge.merge import methods
+
+
+@pytest.fixture
+def trio(model_factory, tmp_path):
+    base = model_factory("qwen2")
+    return base, [perturbed_copy(base, tmp_path / f"m{i}", scale=0.05, seed=i) for i in range(2)]
+
+
+def merged(tmp_path, recipe_text):
+    recipe = write_recipe(tmp_path / "merge.yaml", recipe_text)
+    build(recipe, tmp_path / "out", progress=False)
+    return load_file(tmp_path / "out" / "model.safetensors")
+
+
+def test_average_of_a_model_with_itself_is_the_model(model_factory, tmp_path):
+    base = model_factory("llama")
+    out = merged(tmp_path, f"kind: merge\nmodels: [{base}, {base}]\n")
+    source = load_file(base / "model.safetensors")
+    assert out.keys() == source.keys()
+    assert all(torch.equal(out[k], source[k]) for k in source)
+
+
+def test_task_arithmetic_with_zero_lambda_is_the_base(trio, tmp_path):
+    base, models = trio
+    out = merged(tmp_path, f"kind: merge\nbase_model: {base}\nmodels: [{models[0]}, {models[1]}]\n"
+                           "merge: {method: task_arithmetic, lambda: 0}\n")
+    source = load_file(base / "model.safetensors")
+    assert all(torch.equal(out[k], source[k]) for k in source)
+
+
+def test_ties_with_role_override_matches_the_functions(trio, tmp_path):
+    base, models = trio
+    out = merged(tmp_path, f"kind: merge\nbase_model: {base}\n"
+                           f"models: [{{model: {models[0]}, weight: 2}}, {models[1]}]\n"
+                           "merge:\n  method: ties\n  density: 0.5\n  lambda: 0.8\n"
+                           "  overrides: [{roles: [embed], method: average}]\n")
+    tensors = [load_file(p / "model.safetensors") for p in (base, *models)]
+    name = "model.layers.0.self_attn.q_proj.bias"
+    expected = methods.ties(tensors[0][name], [t[name] for t in tensors[1:]],
+                            weights=[2.0, 1.0], density=0.5, lam=0.8)
+    torch.testing.assert_close(out[name], expected, atol=0, rtol=0)
+    embed = "model.embed_tokens.weight"
+    expected = methods.average([t[embed] for t in tensors[1:]], weights=[2.0, 1.0])
+    torch.testing.assert_close(out[embed], expected, atol=0, rtol=0)

@@ -1,0 +1,128 @@
+"""Token-routed MoE builds, checked against the dense models they came from."""
+
+import json
+
+import pytest
+import torch
+from conftest import FAMILIES, perturbed_copy, write_recipe
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from moemerge.api import build
+
+EXPECTED = {
+    "llama": ("MixtralForCausalLM", "mixtral"),
+    "mistral": ("MixtralForCausalLM", "mixtral"),
+    "qwen2": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+}
+
+
+def logits(path, ids):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def moe_recipe(tmp_path, base, experts, **extra):
+    lines = ["kind: moe", f"base_model: {base}", "experts:"]
+    lines += [f"  - {e}" for e in experts]
+    lines += [f"{k}: {v}" for k, v in extra.items()]
+    return write_recipe(tmp_path / "recipe.yaml", "\n".join(lines) + "\n")
+
+
+PROMPTS = ["{model: %s, positive_prompts: ['def add(a, b):']}",
+           "{model: %s, positive_prompts: ['The sum of two numbers.']}",
+           "{model: %s, positive_prompts: ['Q: What is 2 + 3?'], negative_prompts: ['def']}"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("init", ["random", "task_vector", "prompts", "cheap_embed"])
+def test_identical_experts_reproduce_the_dense_logits(family, init, model_factory, tmp_path):
+    dense = model_factory(family)
+    recipe = moe_recipe(tmp_path, dense, [p % dense for p in PROMPTS],
+                        router=f"{{init: {init}}}", include_base_expert="true")
+    build(recipe, tmp_path / "moe", progress=False)
+
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(logits(tmp_path / "moe", ids), logits(dense, ids),
+                               atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_output_layout_config_and_side_files(family, model_factory, tmp_path):
+    base = model_factory(family)
+    experts = [perturbed_copy(base, tmp_path / f"e{i}", scale=0.01, seed=i) for i in range(2)]
+    recipe = moe_recipe(tmp_path, base, experts, experts_per_token=1,
+                        output="{max_shard_size: 60KB}")
+    out = tmp_path / "moe"
+    build(recipe, out, progress=False)
+
+    config = json.loads((out / "config.json").read_text())
+    arch, model_type = EXPECTED[family]
+    assert config["architectures"] == [arch] and config["model_type"] == model_type
+    source = json.loads((base / "config.json").read_text())
+    theta = source.get("rope_theta") or source["rope_parameters"]["rope_theta"]
+    assert config["rope_theta"] == theta  # the classic key, not Mixtral's 1e6 default
+    assert config["torch_dtype"] == "float32" and config["num_experts_per_tok"] == 1
+    assert "rope_parameters" not in config and "dtype" not in config
+    if model_type != "mixtral":
+        assert config["norm_topk_prob"] is True and config["num_experts"] == 2
+    else:
+        assert config["num_local_experts"] == 2
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    for side in ("tokenizer.json", "moemerge_recipe.yaml", "README.md"):
+        assert (out / side).is_file(), side
+    card = (out / "README.md").read_text()
+    assert "base_model:" in card and str(experts[0]) in card
+
+    # each expert's FFN arrives untouched under the classic per-expert names
+    gate_name = "model.layers.1.mlp.gate_proj.weight"
+    expert_name = {"mixtral": "model.layers.1.block_sparse_moe.experts.1.w1.weight"}.get(
+        model_type, "model.layers.1.mlp.experts.1.gate_proj.weight")
+    with safe_open(out / index["weight_map"][expert_name], "pt") as f:
+        written = f.get_tensor(expert_name)
+    with safe_open(experts[1] / "model.safetensors", "pt") as f:
+        assert torch.equal(written, f.get_tensor(gate_name))
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    generated = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False)
+    assert generated.shape == (1, 7)
+
+
+def test_non_ffn_tensors_are_the_experts_average(model_factory, tmp_path):
+    base = model_factory("llama")
+    experts = [perturbed_copy(base, tmp_path / f"e{i}", scale=0.1, seed=i) for i in range(2)]
+    build(moe_recipe(tmp_path, base, experts), tmp_path / "moe", progress=False)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors = []
+    for path in (*experts, tmp_path / "moe"):
+        with safe_open(path / "model.safetensors", "pt") as f:
+            tensors.append(f.get_tensor(name))
+    torch.testing.assert_close(tensors[2], (tensors[0] + tensors[1]) / 2)
+
+
+def test_dare_builds_are_bitwise_reproducible(model_factory, tmp_path):
+    base = model_factory("qwen3")
+    experts = [perturbed_copy(base, tmp_path / f"e{i}", scale=0.05, seed=i) for i in range(3)]
+    recipe = moe_recipe(tmp_path, base, experts, merge="{method: dare_ties, density: 0.5}",
+                        seed=7)
+    build(recipe, tmp_path / "a", progress=False, lookahead=1)
+    build(recipe, tmp_path / "b", progress=False, lookahead=4)
+    a = (tmp_path / "a" / "model.safetensors").read_bytes()
+    assert a == (tmp_path / "b" / "model.safetensors").read_bytes()
+    recipe.write_text(recipe.read_text().replace("seed: 7", "seed: 8"))
+    build(recipe, tmp_path / "c", progress=False)
+    assert a != (tmp_path / "c" / "model.safetensors").read_bytes()
+
+
+def test_bfloat16_output(model_factory, tmp_path):
+    base = model_factory("mistral")
+    recipe = moe_recipe(tmp_path, base, [base, base], output="{dtype: bfloat16}")
+    build(recipe, tmp_path / "moe", progress=False)
+    with safe_open(tmp_path / "moe" / "model.safetensors", "pt") as f:
+        assert {f.get_slice(n).get_dtype() for n in f.keys()} == {"BF16"}
+    assert json.loads((tmp_path / "moe" / "config.json").read_text())["torch_dtype"] == "bfloat16"

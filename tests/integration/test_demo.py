@@ -1,0 +1,29 @@
+"""`moemerge demo` end to end on the TINY preset: the README's first command, in small."""
+
+import json
+
+from typer.testing import CliRunner
+
+from moemerge.cli import app
+
+
+def test_demo_builds_both_bundled_recipes_and_prints_perplexities(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEMERGE_CACHE", str(tmp_path / "cache"))
+    workdir = tmp_path / "demo"
+    result = CliRunner().invoke(app, ["demo", "--preset", "tiny", "--workdir", str(workdir)])
+    assert result.exit_code == 0, result.output
+    for row in ("base", "expert:code", "expert:prose", "expert:math", "merge (ties)", "moe (btx)"):
+        assert row in result.output
+    config = json.loads((workdir / "moe" / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"] and config["num_local_experts"] == 3
+    assert (workdir / "merged" / "model.safetensors").is_file()
+
+    # a second run reuses the cached experts and replaces its own outputs
+    again = CliRunner().invoke(app, ["demo", "--preset", "tiny", "--workdir", str(workdir)])
+    assert again.exit_code == 0, again.output
+
+
+def test_demo_refuses_a_directory_it_did_not_make(tmp_path):
+    (tmp_path / "mine").mkdir()
+    result = CliRunner().invoke(app, ["demo", "--workdir", str(tmp_path / "mine")])
+    assert result.exit_code == 1 and "not made by `moemerge demo`" in result.output

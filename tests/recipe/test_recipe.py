@@ -1,0 +1,94 @@
+"""The recipe schema: strict, every error at once, each naming the file and the field."""
+
+from pathlib import Path
+
+import pytest
+
+from moemerge.errors import RecipeError
+from moemerge.recipe.load import load_recipe, parse_recipe, recipe_errors
+from moemerge.recipe.models import MergeRecipe, MoERecipe
+
+REPO = Path(__file__).resolve().parents[2]
+MOE = {
+    "kind": "moe",
+    "base_model": "base",
+    "experts": [{"model": "a", "name": "alpha"}, "b"],
+}
+
+
+def test_minimal_moe_takes_defaults():
+    recipe = parse_recipe(MOE)
+    assert isinstance(recipe, MoERecipe)
+    assert [e.model for e in recipe.experts] == ["a", "b"]
+    assert recipe.base_model.model == "base"
+    defaults = (recipe.experts_per_token, recipe.merge.method, recipe.router.init)
+    assert defaults == (2, "average", "random")
+
+
+def test_lambda_alias_and_overrides():
+    recipe = parse_recipe({
+        "kind": "merge", "base_model": "b", "models": ["x", "y"],
+        "merge": {"method": "ties", "lambda": 0.5, "density": 0.3,
+                  "overrides": [{"roles": ["embed"], "method": "average"}]},
+    })
+    assert isinstance(recipe, MergeRecipe)
+    assert recipe.merge.lam == 0.5 and recipe.merge.overrides[0].roles == ["embed"]
+
+
+def test_every_error_reported_at_once_with_field_names():
+    errors = recipe_errors({
+        **MOE, "experts_per_tokn": 2, "merge": {"method": "ties", "density": 1.5},
+        "router": {"init": "magic"},
+    })
+    text = "\n".join(errors)
+    assert "experts_per_tokn: unknown field" in text
+    assert "merge.density" in text
+    assert "router.init" in text
+    assert len(errors) == 3
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"kind": "moa"}, "kind"),
+    ({"experts": []}, "experts"),
+    ({"experts_per_token": 3}, "experts_per_token"),
+    ({"merge": {"overrides": [{"roles": ["ffn"], "method": "ties"}]}}, "merge.overrides"),
+    ({"merge": {"overrides": [{"method": "ties"}]}}, "merge.overrides.0"),
+    ({"router": {"init": "prompts"}}, "router.init"),
+    ({"merge": {"density": 0}}, "merge.density"),
+])
+def test_bad_fields_are_named(change, field):
+    errors = recipe_errors({**MOE, **change})
+    assert errors and any(e.startswith(field) for e in errors), errors
+
+
+def test_dense_merge_methods_needing_a_base_say_so():
+    errors = recipe_errors({"kind": "merge", "models": ["x", "y"], "merge": {"method": "ties"}})
+    assert errors == ["base_model: merge method(s) ties need a base_model"]
+
+
+def test_load_names_the_file(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("kind: moe\nbase_model: b\nexperts: [a]\nsed: 1\n")
+    with pytest.raises(RecipeError, match=r"r\.yaml: 1 recipe error:\n  - sed: unknown field"):
+        load_recipe(path)
+    path.write_text("kind: [moe\n")
+    with pytest.raises(RecipeError, match=r"r\.yaml: not valid YAML"):
+        load_recipe(path)
+    with pytest.raises(RecipeError, match="recipe file not found"):
+        load_recipe(tmp_path / "missing.yaml")
+
+
+def test_recipe_errors_exit_with_code_2():
+    assert RecipeError.exit_code == 2
+
+
+BUNDLED = sorted((REPO / "recipes").rglob("*.yaml"))
+
+
+def test_there_are_bundled_recipes():
+    assert {p.name for p in BUNDLED} >= {"toy_moe.yaml", "toy_merge.yaml"}
+
+
+@pytest.mark.parametrize("path", BUNDLED, ids=lambda p: p.name)
+def test_every_bundled_recipe_validates(path):
+    load_recipe(path)
