@@ -184,7 +184,7 @@ def inspect(
     models: Annotated[
         Optional[list[str]],  # noqa: UP045 - typer needs Optional on 3.10
         typer.Argument(help="BASE then one or more EXPERTs (local dirs or hub ids).",
-                       show_default=False),
+                       metavar="BASE EXPERT", show_default=False),
     ] = None,
     recipe: Annotated[
         Optional[Path],  # noqa: UP045

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from moemerge.errors import RecipeError
+from moemerge.merge.primitives import keep_count
 from moemerge.plan.sources import open_sources
 from moemerge.recipe.load import load_recipe
 from moemerge.recipe.models import ModelRef
@@ -115,18 +116,15 @@ class GroupStats:
 
 
 def _trimmed_mass(tau: torch.Tensor, density: float) -> float:
-    """Σ τ² over the round(n·(1−density)) smallest-|τ| entries (those TIES drops), exact under
-    ties in |τ|: entries strictly below the threshold plus as many at it as are still due."""
-    drop = round(tau.numel() * (1.0 - density))
-    if drop <= 0:
+    """Σ τ² over the entries TIES's trim drops: those below the k-th largest |τ|, with
+    k = keep_count(n, density) as in moemerge.merge (entries tied at the threshold are kept)."""
+    keep = keep_count(tau.numel(), density)
+    if keep >= tau.numel():
         return 0.0
-    mag = tau.abs_()
-    threshold = float(mag.kthvalue(drop).values)
-    below = mag < threshold
-    due = drop - int(below.sum())
-    mag.masked_fill_(~below, 0.0).square_()
-    total = sum(float(c.sum(dtype=torch.float64)) for c in mag.split(CHUNK))
-    return total + due * threshold**2
+    mag = tau.abs_().reshape(-1)
+    threshold = mag.kthvalue(mag.numel() - keep + 1).values
+    mag.masked_fill_(mag >= threshold, 0.0).square_()
+    return sum(float(c.sum(dtype=torch.float64)) for c in mag.split(CHUNK))
 
 
 @dataclass

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from rich.table import Table
 
+from moemerge.errors import CheckpointError
+
 ModelRef = Path | str | torch.nn.Module | tuple  # a path, a model, or (model, tokenizer)
 
 
@@ -65,10 +67,15 @@ def _load(ref: ModelRef, tokenizer):
         hf_logging.disable_progress_bar()  # a "Loading weights" bar per model only adds noise
         try:
             model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(ref)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(
+                f"cannot load a causal LM and its tokenizer from {ref}: {exc}"
+            ) from None
         finally:
             if bars:
                 hf_logging.enable_progress_bar()
-        return model, AutoTokenizer.from_pretrained(ref), True
+        return model, tokenizer, True
     if isinstance(ref, tuple):
         return ref[0], ref[1], False
     if tokenizer is None:

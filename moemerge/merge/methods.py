@@ -95,7 +95,7 @@ def merge(method: str, *, base: Tensor | None, tensors: Sequence[Tensor], weight
         raise ValueError(f"unknown merge method {method!r}; choose from {', '.join(METHODS)}")
     if not tensors:
         raise ValueError("nothing to merge")
-    shapes = {tuple(t.shape) for t in tensors} | ({tuple(base.shape)} if base is not None else set())
+    shapes = {tuple(t.shape) for t in [*tensors, *([base] if base is not None else [])]}
     if len(shapes) > 1:
         raise ValueError(f"tensors of different shapes cannot be merged: {sorted(shapes)}")
     if not tensors[0].is_floating_point():

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moemerge.architectures import DenseFamily, TensorRole, family_for_config
-from moemerge.errors import MismatchError
+from moemerge.errors import CheckpointError, MismatchError
 from moemerge.io.reader import CheckpointReader
 from moemerge.io.resolve import resolve_model
 from moemerge.recipe.models import ModelRef
@@ -39,11 +39,15 @@ class SourceModel:
 
 def resolve_ref(ref: ModelRef, recipe_dir: Path | None) -> Path:
     """A relative local path is looked up next to the recipe first, then in the working dir."""
-    if recipe_dir is not None and not Path(ref.model).is_absolute():
-        candidate = recipe_dir / ref.model
-        if candidate.is_dir():
-            return candidate.resolve()
-    return resolve_model(ref.model, ref.revision)
+    if recipe_dir is None or Path(ref.model).is_absolute():
+        return resolve_model(ref.model, ref.revision)
+    candidate = recipe_dir / ref.model
+    if candidate.is_dir():
+        return candidate.resolve()
+    try:
+        return resolve_model(ref.model, ref.revision)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc} (also looked for the directory {candidate})") from None
 
 
 def open_sources(

@@ -64,9 +64,9 @@ def test_hand_computed_four_entries():
     assert r.sign_conflict[0][2] == r.sign_conflict[1][2] == 1.0  # only entry 0, opposite
     # entries with ≥ 2 nonzero τ: 0 (+, +, −), 1 (−, +), 3 (+, −): all mixed
     assert r.all_sign_conflict == 1.0
-    # density 0.5 drops the 2 smallest |τ|: a drops 0 and 1 → 1/14; b drops 0 and one of its
-    # two 1s (a tie) → 1/6; c drops two zeros → 0
-    assert r.ties_trimmed_mass == pytest.approx([1 / 14, 1 / 6, 0.0])
+    # density 0.5 keeps the 2 largest |τ| and everything tied with the 2nd: a drops 0 and 1 →
+    # 1/14; b keeps 2 and both 1s (a tie), dropping only 0 → 0; c drops two zeros → 0
+    assert r.ties_trimmed_mass == pytest.approx([1 / 14, 0.0, 0.0])
     assert r.relative_norm == pytest.approx([math.sqrt(x / 30) for x in (14, 6, 26)])
     assert r.mean_cosine() == pytest.approx(sum(r.pair_cosines()) / 3)
 
@@ -136,8 +136,10 @@ def _oracle(base: Path, experts: list[Path], density: float) -> dict:
         for e, t in zip(es, T, strict=True):
             mass = 0.0
             for n in names:
-                mags = (e[n].double() - b[n].double()).abs().flatten().sort().values
-                mass += mags[: round(mags.numel() * (1 - density))].square().sum().item()
+                mags = (e[n].double() - b[n].double()).abs().flatten()
+                keep = math.ceil(mags.numel() * density)
+                threshold = mags.sort(descending=True).values[keep - 1]
+                mass += mags[mags < threshold].square().sum().item()
             trimmed.append(mass / t.square().sum().item())
         out[key] = (cos, conflict, [(t.norm() / W.norm()).item() for t in T], trimmed)
     return out

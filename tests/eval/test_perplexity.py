@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from moemerge.errors import CheckpointError
 from moemerge.eval.perplexity import perplexity, perplexity_table, render_table
 from moemerge.toy.experts import make_random_model
 from moemerge.toy.tokenizer import train_tokenizer
@@ -73,7 +74,9 @@ def test_table_and_render(model_dir, tok):
     assert rendered.row_count == 3 and "[bold green]" in str(rendered.columns[1]._cells[0])
 
 
-def test_object_without_tokenizer_is_refused(model_dir):
+def test_object_without_tokenizer_or_missing_path_is_refused(model_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with pytest.raises(ValueError, match="tokenizer"):
         perplexity_table({"m": model}, {"a": TEXT})
+    with pytest.raises(CheckpointError, match="nowhere"):
+        perplexity_table({"m": tmp_path / "nowhere"}, {"a": TEXT})

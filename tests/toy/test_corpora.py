@@ -11,10 +11,10 @@ from transformers import AutoTokenizer
 
 from moemerge.toy.corpora import (
     DOMAINS,
+    SEPARATOR,
     domain_text,
     domain_texts,
     math_problems,
-    stdlib_files,
     strip_docstrings,
 )
 from moemerge.toy.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
@@ -47,9 +47,10 @@ def test_code_has_no_docstrings_or_comments():
     stripped = strip_docstrings(ast.parse(source))
     assert "doc" not in stripped and "comment" not in stripped and "return 1" in stripped
     code = domain_text("code", 200_000)
-    json_module = next(p for p in stdlib_files() if p.parts[-2:] == ("json", "__init__.py"))
-    doc = ast.get_docstring(ast.parse(json_module.read_text()))
-    assert doc.splitlines()[0] not in code and "def " in code
+    assert code.count("def ") > 200
+    # a string literal as the first statement of a module, class or function is a docstring
+    assert not re.search(r"(def|class) [^\n]*:\n\s+[rbuRBU]?['\"]", code)
+    assert not any(doc.lstrip().startswith(("'", '"')) for doc in code.split(SEPARATOR))
 
 
 def test_prose_is_docstrings():
