@@ -13,11 +13,12 @@ from moemerge.errors import OutputError
 
 @contextmanager
 def atomic_output_dir(out: Path, *, force: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory next to `out`; on success it becomes `out`.
+    """Yield a temporary directory next to `out`; on success it is renamed to `out`.
 
-    The temporary name starts with a dot and says what it is, so a killed build leaves nothing
-    named `out`. An existing `out` is replaced only with `force`, and only after the new one is
-    complete (moved aside, then deleted)."""
+    The temporary name starts with a dot and says what it is (`.out.moemerge-tmp-XXXX`), so an
+    interrupted build leaves nothing named `out`; on an exception it is removed. An existing
+    `out` is refused unless `force`, and then replaced only once the new one is complete: the
+    old one is moved aside, the new one renamed in, and the old one deleted."""
     out = Path(out)
     if out.exists() and not force:
         raise OutputError(f"{out} already exists; pass --force to replace it")
@@ -25,22 +26,42 @@ def atomic_output_dir(out: Path, *, force: bool = False) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.moemerge-tmp-", dir=out.parent))
     try:
         yield tmp
-        if out.exists():
-            if not force:
-                raise OutputError(f"{out} appeared while building; pass --force to replace it")
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.moemerge-old-", dir=out.parent))
-            out.rename(old / out.name)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
+    except BaseException:  # KeyboardInterrupt too: nothing half-written may stay behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _install(tmp, out, force)
+
+
+def _install(tmp: Path, out: Path, force: bool) -> None:
+    """Rename the finished `tmp` to `out`, replacing an existing `out` only with `force`."""
+    if not out.exists():
+        _rename_or_clean(tmp, out)
+        return
+    if not force:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputError(f"{out} appeared while building; pass --force to replace it")
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.moemerge-old-", dir=out.parent))
+    out.rename(aside / out.name)
+    try:
+        _rename_or_clean(tmp, out)
+    except BaseException:
+        (aside / out.name).rename(out)  # put the old output back where it was
+        aside.rmdir()
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _rename_or_clean(tmp: Path, out: Path) -> None:
+    try:
+        tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
 def copy_side_files(src: Path, dst: Path, names: Iterable[str]) -> list[str]:
-    """Copy the files among `names` that exist in `src` (tokenizer files and the like)."""
+    """Copy the files among `names` that exist in `src` (tokenizer files and the like) into
+    `dst`, keeping their timestamps; return the names copied."""
     copied = []
     for name in names:
         if (Path(src) / name).is_file():

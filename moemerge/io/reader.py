@@ -1,9 +1,9 @@
 """Read a checkpoint directory: config and tensor headers up front, tensor data one at a time.
 
-Safetensors headers are parsed by hand (8-byte length, JSON), so planning a build reads no
-tensor data and a truncated or corrupt file is caught before any work starts. Data is read
-through `safe_open` handles kept in a small LRU: a mapped file counts in RSS until its handle
-closes, so only `max_open_files` stay open.
+Safetensors headers are parsed by hand (8-byte little-endian length, then JSON), so planning a
+build reads no tensor data and a truncated or corrupt file is caught before any work starts.
+Data is read through `safe_open` handles kept in a small LRU: a mapped file counts in RSS until
+its handle closes, so only `max_open_files` stay open.
 """
 
 from __future__ import annotations
@@ -14,19 +14,22 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from moemerge.errors import CheckpointError
 
-DTYPES = {
+# safetensors dtype strings -> torch dtypes (the writer uses the inverse map)
+DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-PICKLE_NAMES = ("pytorch_model.bin.index.json", "pytorch_model.bin")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PICKLE_INDEX = "pytorch_model.bin.index.json"
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,7 @@ class TensorMeta:
 
 
 def read_safetensors_header(file: Path) -> dict[str, TensorMeta]:
-    """Tensor metadata of one .safetensors file, validated against the file's size."""
+    """Tensor metadata of one .safetensors file in data order, validated against its size."""
     try:
         size = file.stat().st_size
         with open(file, "rb") as f:
@@ -58,22 +61,32 @@ def read_safetensors_header(file: Path) -> dict[str, TensorMeta]:
             header = json.loads(f.read(length))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{file}: cannot read the safetensors header: {exc}") from None
-    data_size = size - 8 - length
-    metas = {}
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: the safetensors header is not a JSON object")
+    data_size = size - 8 - length  # offsets are relative to the end of the header
+    entries = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype = DTYPES.get(info.get("dtype"))
+        try:
+            dtype_name, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
+            shape = tuple(int(d) for d in shape)
+        except (TypeError, KeyError, ValueError):
+            raise CheckpointError(f"{file}: malformed header entry for tensor {name!r}") from None
+        dtype = DTYPES.get(dtype_name)
         if dtype is None:
-            raise CheckpointError(f"{file}: tensor {name!r} has unknown dtype {info.get('dtype')}")
-        end = info["data_offsets"][1]
+            raise CheckpointError(f"{file}: tensor {name!r} has unknown dtype {dtype_name!r}")
         if end > data_size:
             raise CheckpointError(
-                f"{file} is truncated: tensor {name!r} needs bytes up to {end} of the data "
-                f"section but the file has {data_size}. Download or copy it again."
+                f"{file} is truncated: tensor {name!r} needs bytes up to {end} but the file has "
+                f"{data_size} (after the header). Download or copy it again."
             )
-        metas[name] = TensorMeta(name, dtype, tuple(info["shape"]), file)
-    return metas
+        meta = TensorMeta(name, dtype, shape, file)
+        if not 0 <= start <= end or end - start != meta.nbytes:
+            raise CheckpointError(f"{file}: tensor {name!r} has data_offsets [{start}, {end}] "
+                                  f"that do not fit its shape {list(shape)} and dtype {dtype_name}")
+        entries.append((start, meta))
+    return {meta.name: meta for _, meta in sorted(entries, key=lambda e: e[0])}
 
 
 class CheckpointReader:
@@ -82,76 +95,86 @@ class CheckpointReader:
     def __init__(self, directory: Path, *, allow_pickle: bool = False, max_open_files: int = 2):
         self.directory = Path(directory)
         self.allow_pickle = allow_pickle
-        self.max_open_files = max_open_files
-        self._handles: OrderedDict[Path, object] = OrderedDict()
+        self.max_open_files = max(1, max_open_files)
+        self._handles: OrderedDict[Path, Any] = OrderedDict()  # LRU: oldest first
         self.config = self._read_config()
         self.metas: dict[str, TensorMeta] = {}
         for file in self._weight_files():
-            metas = read_safetensors_header(file) if file.suffix == ".safetensors" else \
-                self._pickle_metas(file)
+            if file.suffix == ".safetensors":
+                metas = read_safetensors_header(file)
+            else:
+                metas = self._pickle_metas(file)
             for name, meta in metas.items():
                 if name in self.metas:
                     raise CheckpointError(
-                        f"tensor {name!r} is in both {self.metas[name].file} and {file}"
-                    )
+                        f"tensor {name!r} is in both {self.metas[name].file} and {file}")
                 self.metas[name] = meta
 
     def _read_config(self) -> dict:
-        file = self.directory / "config.json"
         if not self.directory.is_dir():
             raise CheckpointError(f"model directory {self.directory} does not exist")
+        file = self.directory / "config.json"
         if not file.is_file():
             raise CheckpointError(f"{file} is missing: a model directory needs its config.json")
         try:
-            return json.loads(file.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            config = json.loads(file.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CheckpointError(f"{file} is not valid JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{file} is not a JSON object")
+        return config
 
     def _weight_files(self) -> list[Path]:
-        for index_name in ("model.safetensors.index.json", PICKLE_NAMES[0]):
-            index = self.directory / index_name
-            if index.is_file():
-                return self._indexed_files(index)
-        found = sorted(self.directory.glob("*.safetensors"))
-        if found:
+        d = self.directory
+        # safetensors first: hub repos often carry both formats, and the .bin index is a .json
+        if (d / SAFETENSORS_INDEX).is_file():
+            return self._indexed_files(d / SAFETENSORS_INDEX)
+        single = d / "model.safetensors"
+        if found := [single] if single.is_file() else sorted(d.glob("*.safetensors")):
             return found
-        pickles = sorted(self.directory.glob("*.bin"))
-        if pickles:
-            return [self._check_pickle(p) for p in pickles]
-        raise CheckpointError(f"{self.directory} holds no weights (*.safetensors or *.bin)")
+        if (d / PICKLE_INDEX).is_file():
+            pickles = self._indexed_files(d / PICKLE_INDEX)
+        elif (d / "pytorch_model.bin").is_file():
+            pickles = [d / "pytorch_model.bin"]
+        elif not (pickles := sorted(d.glob("*.bin"))):
+            raise CheckpointError(f"{d} holds no weights (*.safetensors or *.bin)")
+        return [self._check_pickle(f) for f in pickles]
 
     def _indexed_files(self, index: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError) as exc:
-            raise CheckpointError(f"{index} is not a valid index: {exc}") from None
-        files = [self.directory / f for f in dict.fromkeys(weight_map.values())]
+            files = sorted(self.directory / f for f in set(weight_map.values()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index} is not a valid index: {exc!r}") from None
         for file in files:
             if not file.is_file():
-                raise CheckpointError(f"{file} is listed in {index.name} but missing")
-        return [self._check_pickle(f) if f.suffix == ".bin" else f for f in files]
+                raise CheckpointError(f"shard {file} is listed in {index.name} but missing")
+        return files
 
     def _check_pickle(self, file: Path) -> Path:
         if not self.allow_pickle:
             raise CheckpointError(
-                f"{file} is a pickled checkpoint; loading a pickle can run arbitrary code. "
-                "Convert it to safetensors, or pass --allow-pickle if you trust it (it is then "
-                "loaded with weights_only=True)."
+                f"{file} is a pickled checkpoint; pickles can run code when loaded. Convert it "
+                "to safetensors, or pass --allow-pickle if you trust it (it is then loaded with "
+                "weights_only=True)."
             )
         return file
 
     def _pickle_metas(self, file: Path) -> dict[str, TensorMeta]:
         state = self._handle(file)
-        return {n: TensorMeta(n, t.dtype, tuple(t.shape), file) for n, t in state.items()}
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{file} does not hold a state dict")
+        return {n: TensorMeta(n, t.dtype, tuple(t.shape), file)
+                for n, t in state.items() if isinstance(t, torch.Tensor)}
 
-    def _handle(self, file: Path):
+    def _handle(self, file: Path) -> Any:
+        """An open safe_open handle (or a memory-mapped pickle's dict), least recently used
+        closed first."""
         if file in self._handles:
             self._handles.move_to_end(file)
             return self._handles[file]
         while len(self._handles) >= self.max_open_files:
-            _, old = self._handles.popitem(last=False)
-            if hasattr(old, "__exit__"):
-                old.__exit__(None, None, None)
+            _close(self._handles.popitem(last=False)[1])
         try:
             if file.suffix == ".safetensors":
                 handle = safe_open(str(file), "pt").__enter__()
@@ -165,7 +188,7 @@ class CheckpointReader:
     def names(self) -> list[str]:
         return list(self.metas)
 
-    def __contains__(self, name: str) -> bool:
+    def __contains__(self, name: object) -> bool:
         return name in self.metas
 
     def meta(self, name: str) -> TensorMeta:
@@ -175,11 +198,15 @@ class CheckpointReader:
             raise CheckpointError(f"tensor {name!r} is not in {self.directory}") from None
 
     def read(self, name: str) -> torch.Tensor:
+        """One tensor, owning its memory (safe after the file's handle closes)."""
         meta = self.meta(name)
         handle = self._handle(meta.file)
-        if meta.file.suffix == ".safetensors":
-            return handle.get_tensor(name)
-        return handle[name].clone()
+        try:
+            if meta.file.suffix == ".safetensors":
+                return handle.get_tensor(name)  # copies out of the mapping
+            return handle[name].clone()  # the pickle's tensor is a view of the mmap
+        except Exception as exc:
+            raise CheckpointError(f"{meta.file}: cannot read tensor {name!r}: {exc}") from None
 
     @property
     def total_bytes(self) -> int:
@@ -187,12 +214,15 @@ class CheckpointReader:
 
     def close(self) -> None:
         while self._handles:
-            _, handle = self._handles.popitem()
-            if hasattr(handle, "__exit__"):
-                handle.__exit__(None, None, None)
+            _close(self._handles.popitem()[1])
 
     def __enter__(self) -> CheckpointReader:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _close(handle: Any) -> None:
+    if hasattr(handle, "__exit__"):  # safe_open; a pickle's dict just loses its last reference
+        handle.__exit__(None, None, None)

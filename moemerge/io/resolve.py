@@ -8,37 +8,46 @@ from pathlib import Path
 
 from moemerge.errors import CheckpointError
 
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
-# what a model directory needs; never the other formats a hub repo may also carry
+# `name` or `org/name`: what the hub accepts as a repo id (letters, digits, - _ .)
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+# what a model directory needs; never the other weight formats a hub repo may also carry
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.py"]
 
 
 def offline() -> bool:
+    """Whether HF_HUB_OFFLINE asks for the cache only."""
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def looks_like_path(ref: str) -> bool:
+    """A reference the user meant as a path: never sent to the hub."""
+    return (ref.startswith((".", "/", "~")) or ref.count("/") > 1 or "\\" in ref
+            or not HUB_ID.fullmatch(ref))
+
+
 def resolve_model(ref: str, revision: str | None = None) -> Path:
-    """The local directory holding `ref`, downloading a hub id unless offline."""
+    """The local directory holding `ref`: the directory itself, or a hub snapshot (downloaded
+    unless HF_HUB_OFFLINE is set, in which case only the local cache is consulted)."""
     path = Path(ref).expanduser()
     if path.is_dir():
         return path.resolve()
-    looks_like_path = ref.startswith((".", "/", "~")) or ref.count("/") > 1 or "\\" in ref
-    if looks_like_path or not HUB_ID.fullmatch(ref):
+    if looks_like_path(ref):
         raise CheckpointError(f"model directory {ref} does not exist")
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # slow import, only for hub ids
 
+    where = ref + (f" (revision {revision})" if revision else "")
     try:
         return Path(snapshot_download(ref, revision=revision, allow_patterns=HUB_PATTERNS,
                                       local_files_only=offline()))
-    except Exception as exc:  # hub errors have many classes; each means "not available"
-        where = f"{ref}" + (f" (revision {revision})" if revision else "")
+    except Exception as exc:  # hub errors come in many classes; each means "not available"
         if offline():
             raise CheckpointError(
                 f"{where} is not a local directory and not in the Hugging Face cache, and "
-                "HF_HUB_OFFLINE is set. Download it first (`hf download "
-                f"{ref}`) or give a local path."
+                f"HF_HUB_OFFLINE is set (offline mode). Download it first with `hf download "
+                f"{ref}` on a machine with network access, or give a local path."
             ) from None
         raise CheckpointError(
             f"{where} is not a local directory and could not be fetched from the Hugging Face "
-            f"hub: {type(exc).__name__}: {exc}"
+            f"hub ({type(exc).__name__}: {exc}). Check the id and your network or token, "
+            "download it with `hf download`, or give a local path."
         ) from None

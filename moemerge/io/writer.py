@@ -2,7 +2,9 @@
 
 Every shard's header is computed from the planned (name, dtype, shape) list before any data
 exists, each file is created at its full size, and `write` puts a tensor's bytes at its offset:
-peak memory is one tensor, and the files are byte-identical to `safetensors.torch.save_file`.
+peak memory is one tensor, and each file is byte-identical to `safetensors.torch.save_file` of
+the same tensors (with metadata {"format": "pt"}; safetensors orders further metadata keys by
+hash, so with more keys only the order inside `__metadata__` may differ).
 """
 
 from __future__ import annotations
@@ -12,66 +14,79 @@ import math
 import os
 import re
 import struct
+from decimal import Decimal, InvalidOperation
 from functools import cache
 from pathlib import Path
 
 import torch
 
 from moemerge.errors import OutputError
-from moemerge.io.reader import DTYPES
+from moemerge.io.reader import DTYPES, SAFETENSORS_INDEX
 
 Planned = tuple[str, torch.dtype, tuple[int, ...]]
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-INDEX_FILE = "model.safetensors.index.json"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+# decimal units (KB, MB, GB and bare K, M, G, as mergekit and `hf` print sizes), binary KiB…
+_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9,
+          "GB": 10**9, "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+          "TIB": 2**40}
 
 
 def parse_size(text: str | int) -> int:
-    """'5GB' -> 5·10⁹, '2GiB' -> 2·2³⁰, '1.5G' -> 1.5·10⁹, 123 -> 123 (bytes)."""
+    """Bytes from a size: 123 or "123" -> 123, "5GB"/"5G" -> 5·10⁹, "2GiB" -> 2·2³⁰,
+    "1.5G" -> 1.5·10⁹ (case-insensitive, rounded down to whole bytes; must be positive)."""
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
     else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+        match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", str(text))
         unit = match[2].upper() if match else None
         if match is None or unit not in _UNITS:
-            raise ValueError(f"{text!r} is not a size; write e.g. 5GB, 500MB or 2GiB")
-        value = int(float(match[1]) * _UNITS[unit])
+            raise ValueError(f"{text!r} is not a size; write e.g. 5GB, 500MB, 2GiB or 1000000")
+        try:  # Decimal: "1.1GB" is exactly 1_100_000_000, not 1_100_000_000.0000002
+            value = int(Decimal(match[1]) * _UNITS[unit])
+        except InvalidOperation:
+            raise ValueError(f"{text!r} is not a size") from None
     if value <= 0:
-        raise ValueError(f"{text!r}: a size must be positive")
+        raise ValueError(f"{text!r}: a size must be a positive number of bytes")
     return value
 
 
 @cache
 def _dtype_rank() -> dict[torch.dtype, int]:
-    """The order in which safetensors lays out dtypes, asked of the installed library once."""
+    """The order in which the installed safetensors lays out dtypes (it sorts by dtype, widest
+    first, then by name), asked of the library once rather than copied from its source."""
     from safetensors.torch import save
 
     blob = save({name: torch.zeros(1, dtype=dtype) for name, dtype in DTYPES.items()})
     header = json.loads(blob[8: 8 + struct.unpack("<Q", blob[:8])[0]])
-    starts = {DTYPES[n]: info["data_offsets"][0] for n, info in header.items()}
+    starts = {DTYPES[n]: info["data_offsets"][0] for n, info in header.items()
+              if n != "__metadata__"}
     return {dtype: rank for rank, dtype in enumerate(sorted(starts, key=starts.__getitem__))}
 
 
-def _layout(tensors: list[Planned], metadata: dict[str, str]) -> tuple[bytes, dict[str, int]]:
-    """The header bytes of one shard and each tensor's absolute byte offset in it."""
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def shard_layout(tensors: list[Planned], metadata: dict[str, str]) -> tuple[bytes, dict[str, int]]:
+    """The 8-byte length + header of one shard, and each tensor's absolute byte offset in it."""
     ordered = sorted(tensors, key=lambda t: (_dtype_rank()[t[1]], t[0]))
     header: dict = {"__metadata__": metadata}
     relative, cursor = {}, 0
     for name, dtype, shape in ordered:
-        size = math.prod(shape) * dtype.itemsize
+        size = _nbytes(dtype, shape)
         header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
                         "data_offsets": [cursor, cursor + size]}
         relative[name], cursor = cursor, cursor + size
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # safetensors pads the header to 8 bytes with spaces
+    # serde_json's compact form, raw UTF-8; padded with spaces to a multiple of 8 like safetensors
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
     start = 8 + len(text)
     return struct.pack("<Q", len(text)) + text, {n: start + o for n, o in relative.items()}
 
 
 class ShardedWriter:
-    """Write the planned tensors into `directory` as shards of at most `max_shard_bytes`."""
+    """Write the planned tensors into `directory` as shards of at most `max_shard_bytes` (a
+    single tensor larger than that gets a shard of its own)."""
 
     def __init__(self, directory: Path, planned: list[Planned], *,
                  max_shard_bytes: int = 5 * 2**30, metadata: dict[str, str] | None = None):
@@ -79,66 +94,87 @@ class ShardedWriter:
         self._planned = {name: (dtype, tuple(shape)) for name, dtype, shape in planned}
         if len(self._planned) != len(planned):
             raise OutputError("the plan names an output tensor twice")
+        for name, (dtype, _) in self._planned.items():
+            if dtype not in DTYPE_NAMES:
+                raise OutputError(f"tensor {name!r}: safetensors cannot store dtype {dtype}")
         groups: list[list[Planned]] = [[]]
         size = 0
-        for name, dtype, shape in planned:  # shards follow plan order: loaders read in order
-            nbytes = math.prod(shape) * dtype.itemsize
+        for name, (dtype, shape) in self._planned.items():  # shards follow plan order
+            nbytes = _nbytes(dtype, shape)
             if groups[-1] and size + nbytes > max_shard_bytes:
                 groups.append([])
                 size = 0
-            groups[-1].append((name, dtype, tuple(shape)))
+            groups[-1].append((name, dtype, shape))
             size += nbytes
         n = len(groups)
         names = ["model.safetensors"] if n == 1 else [
             f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-        self.shard_files = [self.directory / name for name in names]
-        self.total_bytes = sum(math.prod(s) * d.itemsize for _, d, s in planned)
+        self._files = [self.directory / name for name in names]
         self._where: dict[str, tuple[int, int]] = {}  # name -> (shard index, byte offset)
         self._fds: list[int] = []
         self._written: set[str] = set()
-        for index, (file, group) in enumerate(zip(self.shard_files, groups, strict=True)):
-            header, offsets = _layout(group, {"format": "pt", **(metadata or {})})
-            fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            self._fds.append(fd)
-            os.ftruncate(fd, len(header) + sum(math.prod(s) * d.itemsize for _, d, s in group))
-            os.pwrite(fd, header, 0)
-            self._where |= {name: (index, offset) for name, offset in offsets.items()}
+        self._closed = False
+        try:
+            for index, (file, group) in enumerate(zip(self._files, groups, strict=True)):
+                header, offsets = shard_layout(group, {"format": "pt", **(metadata or {})})
+                fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                self._fds.append(fd)
+                # pre-sized: the file has its final length before any tensor is written
+                os.ftruncate(fd, len(header) + sum(_nbytes(d, s) for _, d, s in group))
+                _pwrite_all(fd, memoryview(header), 0)
+                self._where |= {name: (index, offset) for name, offset in offsets.items()}
+        except OSError as exc:
+            self._release()
+            raise OutputError(f"cannot create shards in {self.directory}: {exc}") from None
+
+    @property
+    def shard_files(self) -> list[Path]:
+        return list(self._files)
+
+    @property
+    def total_bytes(self) -> int:
+        """Tensor bytes over all shards (the index's total_size), headers excluded."""
+        return sum(_nbytes(dtype, shape) for dtype, shape in self._planned.values())
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Put one planned tensor's bytes at its offset; tensors may come in any order."""
+        if self._closed:
+            raise OutputError(f"tensor {name!r}: the writer is closed")
         if name not in self._planned:
             raise OutputError(f"tensor {name!r} is not in the plan")
         if name in self._written:
             raise OutputError(f"tensor {name!r} was already written")
         dtype, shape = self._planned[name]
         if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise OutputError(
-                f"tensor {name!r}: planned {dtype} {list(shape)}, got {tensor.dtype} "
-                f"{list(tensor.shape)}"
-            )
+            raise OutputError(f"tensor {name!r}: planned {dtype} {list(shape)}, got "
+                              f"{tensor.dtype} {list(tensor.shape)}")
         shard, offset = self._where[name]
+        # [numel] -> [numel · itemsize] raw bytes; works for bf16 / fp8, which numpy lacks
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        view = memoryview(data)
-        while view.nbytes:  # pwrite may write less than asked for
-            done = os.pwrite(self._fds[shard], view, offset)
-            view, offset = view[done:], offset + done
+        _pwrite_all(self._fds[shard], memoryview(data), offset)
         self._written.add(name)
 
     def close(self) -> None:
+        """Check every tensor was written, fsync, and write the index when there are shards."""
+        if self._closed:
+            return
         missing = [n for n in self._planned if n not in self._written]
         if missing:
             self._release()
-            raise OutputError(f"{len(missing)} planned tensors were never written, e.g. "
-                              f"{missing[0]!r}")
+            shown = ", ".join(repr(n) for n in missing[:10])
+            more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+            raise OutputError(f"{len(missing)} planned tensors were never written: {shown}{more}")
         for fd in self._fds:
             os.fsync(fd)
         self._release()
-        if len(self.shard_files) > 1:
+        if len(self._files) > 1:
             index = {"metadata": {"total_size": self.total_bytes},
-                     "weight_map": {n: self.shard_files[self._where[n][0]].name
+                     "weight_map": {n: self._files[self._where[n][0]].name
                                     for n in self._planned}}
-            (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+            (self.directory / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
     def _release(self) -> None:
+        self._closed = True
         for fd in self._fds:
             os.close(fd)
         self._fds = []
@@ -146,8 +182,14 @@ class ShardedWriter:
     def __enter__(self) -> ShardedWriter:
         return self
 
-    def __exit__(self, exc_type, *exc) -> None:
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
         if exc_type is None:
             self.close()
-        else:
+        else:  # the build failed: keep its error, not a "tensors missing" one
             self._release()
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view.nbytes:  # pwrite may write fewer bytes than asked for
+        done = os.pwrite(fd, view, offset)
+        view, offset = view[done:], offset + done

@@ -1,7 +1,10 @@
 """The steps the merging papers are made of, as pure tensor functions.
 
-Every function takes and returns float32 tensors; τ stacks have shape [N, *shape] (one task
-vector per model along the first axis). No names, no IO, no global random state.
+Every function computes in and returns float32 (inputs are cast with `.float()`); τ stacks
+have shape [N, *shape] (one task vector per model along the first axis). No names, no IO, no
+global random state. Conventions (also in docs/merge-methods.md): TIES keeps ceil(density·n)
+entries per task vector, ties at the threshold included; the sign is elected by mass (sum), a
+zero sum elects 0 and drops the entry; DARE draws its mask from a per-tensor CPU generator.
 """
 
 from __future__ import annotations
@@ -20,8 +23,14 @@ def task_vectors(base: Tensor, tensors: Sequence[Tensor]) -> Tensor:
     return torch.stack([t.float() - base for t in tensors])
 
 
+def _check_density(density: float) -> None:
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density}")
+
+
 def keep_count(numel: int, density: float) -> int:
-    """How many entries TIES keeps: ceil(density · numel), at least one."""
+    """How many entries TIES keeps: ceil(density · numel), at least one. Ceil, so a density
+    never keeps fewer entries than asked (the 1e-9 absorbs float error: 0.7 · 10 is 7.000…1)."""
     return max(1, min(numel, math.ceil(density * numel - 1e-9)))
 
 
@@ -29,8 +38,10 @@ def trim_to_density(taus: Tensor, density: float) -> Tensor:
     """TIES "trim": per task vector keep the top `density` fraction of entries by magnitude.
 
     The threshold is the k-th largest |τ| found with `kthvalue` (linear time, no sort); entries
-    tied with it are kept, so slightly more than k may survive."""
-    if density >= 1.0:
+    tied with it are kept, so slightly more than k may survive. density 1 keeps everything."""
+    _check_density(density)
+    taus = taus.float()
+    if density == 1.0:
         return taus
     flat = taus.reshape(taus.shape[0], -1).abs()  # [N, numel]
     numel = flat.shape[1]
@@ -40,25 +51,31 @@ def trim_to_density(taus: Tensor, density: float) -> Tensor:
     return (taus.reshape(flat.shape) * (flat >= threshold)).reshape(taus.shape)
 
 
+def _per_model(weights: Tensor, taus: Tensor) -> Tensor:
+    """[N] weights -> [N, 1, …, 1], to broadcast against a [N, *shape] stack."""
+    return weights.to(device=taus.device, dtype=torch.float32).reshape(
+        -1, *([1] * (taus.dim() - 1)))
+
+
 def _weighted(taus: Tensor, weights: Tensor | None) -> Tensor:
-    if weights is None:
-        return taus
-    return taus * weights.reshape(-1, *([1] * (taus.dim() - 1)))
+    return taus if weights is None else taus * _per_model(weights, taus)
 
 
 def elect_sign(taus: Tensor, weights: Tensor | None = None) -> Tensor:
     """TIES "elect": each entry's sign is that of the (weighted) sum of the task vectors, i.e.
     the side with more total mass wins, not the side with more models. A zero sum gives 0."""
-    return torch.sign(_weighted(taus, weights).sum(dim=0))
+    return torch.sign(_weighted(taus.float(), weights).sum(dim=0))
 
 
 def disjoint_mean(taus: Tensor, sign: Tensor, weights: Tensor | None = None) -> Tensor:
     """TIES "disjoint merge": per entry, the weighted mean over the models whose (nonzero) τ has
     the elected sign; zeros and disagreeing entries are excluded; no agreeing model gives 0."""
-    agree = (torch.sign(taus) == sign) & (taus != 0)  # [N, *shape]
+    taus = taus.float()
+    agree = (torch.sign(taus) == sign.to(taus.device)) & (taus != 0)  # [N, *shape]
     w = torch.ones(taus.shape[0]) if weights is None else weights
-    w = w.reshape(-1, *([1] * (taus.dim() - 1))) * agree
+    w = _per_model(w, taus) * agree  # [N, *shape]: a model's weight where it counts, else 0
     total = w.sum(dim=0)
+    # no agreeing model: 0 / tiny · 0 = 0, never a NaN
     return (taus * w).sum(dim=0) / total.clamp_min(torch.finfo(torch.float32).tiny) * (total > 0)
 
 
@@ -67,7 +84,9 @@ def dare_drop(tau: Tensor, density: float, generator: torch.Generator, rescale: 
     """DARE: drop each entry with probability 1 − density; survivors × 1/density (rescale keeps
     the expectation). The mask is drawn on the CPU from `generator`, so it does not depend on
     the device. density 1 returns τ unchanged and draws nothing."""
-    if density >= 1.0:
+    _check_density(density)
+    tau = tau.float()
+    if density == 1.0:
         return tau
     keep = torch.rand(tau.shape, generator=generator) < density
     dropped = tau * keep.to(tau.device)

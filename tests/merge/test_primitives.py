@@ -1,0 +1,105 @@
+"""The papers' steps on cases small enough to compute by hand."""
+
+import pytest
+import torch
+
+from moemerge.merge.primitives import (
+    dare_drop,
+    disjoint_mean,
+    elect_sign,
+    generator_for,
+    keep_count,
+    task_vectors,
+    trim_to_density,
+)
+
+torch.set_num_threads(1)
+T = torch.tensor
+
+
+def test_task_vectors_stack_in_fp32():
+    base = T([1.0, 2.0]).bfloat16()
+    taus = task_vectors(base, [T([2.0, 2.0]), T([0.0, 5.0]).bfloat16()])
+    assert taus.dtype == torch.float32
+    assert torch.equal(taus, T([[1.0, 0.0], [-1.0, 3.0]]))
+
+
+@pytest.mark.parametrize("numel, density, k", [
+    (4, 0.5, 2), (10, 0.7, 7), (10, 0.71, 8), (3, 0.5, 2), (100, 0.001, 1), (5, 1.0, 5)])
+def test_keep_count_rounds_up(numel, density, k):
+    assert keep_count(numel, density) == k
+
+
+def test_trim_keeps_top_magnitudes_per_task_vector():
+    taus = T([[1.0, -2.0, 3.0, 0.5], [2.0, 1.0, -1.0, 0.5]])
+    # τ1: |.| = [1, 2, 3, .5], top 2 are 3 and 2; τ2: the 2nd largest |.| is 1, tied: both kept
+    assert torch.equal(trim_to_density(taus, 0.5), T([[0.0, -2.0, 3.0, 0.0],
+                                                      [2.0, 1.0, -1.0, 0.0]]))
+    assert torch.equal(trim_to_density(taus, 0.25), T([[0.0, 0.0, 3.0, 0.0],
+                                                       [2.0, 0.0, 0.0, 0.0]]))
+    assert torch.equal(trim_to_density(taus, 1.0), taus)
+
+
+def test_trim_matches_a_sort_on_random_matrices():
+    taus = torch.randn(3, 20, 30, generator=torch.Generator().manual_seed(0))
+    trimmed = trim_to_density(taus, 0.3)
+    assert trimmed.shape == taus.shape
+    for row, kept in zip(taus.reshape(3, -1), trimmed.reshape(3, -1), strict=True):
+        top = row.abs().topk(180).indices  # ceil(0.3 · 600); no ties in random floats
+        expected = torch.zeros_like(row)
+        expected[top] = row[top]
+        assert torch.equal(kept, expected)
+
+
+def test_elect_sign_by_mass_not_count():
+    taus = T([[1.0, 1.0, 2.0], [1.0, 1.0, -1.0], [-3.0, -2.0, -1.0]])
+    # sums: -1 (two small + lose to one big -), 0 (a tie elects nothing), 0
+    assert torch.equal(elect_sign(taus), T([-1.0, 0.0, 0.0]))
+    # weights scale the mass: [1, 1, 0.5] -> sums 0.5, 1, 0.5
+    assert torch.equal(elect_sign(taus, T([1.0, 1.0, 0.5])), T([1.0, 1.0, 1.0]))
+
+
+def test_disjoint_mean_excludes_zeros_and_dissenters():
+    taus = T([[2.0, 0.0, 1.0, 5.0], [4.0, 3.0, -2.0, 0.0]])
+    sign = T([1.0, 1.0, -1.0, 0.0])
+    assert torch.equal(disjoint_mean(taus, sign), T([3.0, 3.0, -2.0, 0.0]))
+    # weighted: (1·2 + 3·4) / 4 = 3.5 in entry 0; single agreeing models are unaffected
+    assert torch.equal(disjoint_mean(taus, sign, T([1.0, 3.0])), T([3.5, 3.0, -2.0, 0.0]))
+
+
+def test_dare_drop_by_hand():
+    tau = T([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    keep = torch.rand(6, generator=generator_for(3, "w")) < 0.5
+    assert torch.equal(dare_drop(tau, 0.5, generator_for(3, "w")), tau * keep / 0.5)
+    assert torch.equal(dare_drop(tau, 0.5, generator_for(3, "w"), rescale=False), tau * keep)
+
+
+def test_dare_density_one_is_identity_and_draws_nothing():
+    gen = generator_for(0, "t")
+    tau = torch.randn(5)
+    assert torch.equal(dare_drop(tau, 1.0, gen), tau)
+    assert torch.equal(torch.rand(3, generator=gen), torch.rand(3, generator=generator_for(0, "t")))
+
+
+def test_dare_is_unbiased_over_many_draws():
+    tau = T([2.0, -1.0, 0.5, 4.0])
+    draws = dare_drop(tau.expand(20_000, 4), 0.3, generator_for(0, "many"))  # [draws, 4]
+    torch.testing.assert_close(draws.mean(dim=0), tau, atol=0.1, rtol=0.05)
+    assert abs((draws != 0).float().mean().item() - 0.3) < 0.01
+
+
+def test_bad_density():
+    for density in (0.0, -0.5, 1.01):
+        with pytest.raises(ValueError, match="density"):
+            trim_to_density(torch.ones(2, 2), density)
+        with pytest.raises(ValueError, match="density"):
+            dare_drop(torch.ones(2), density, generator_for(0, "x"))
+
+
+def test_generator_seed_is_pinned():
+    # sha256("0\x00x")[:8] little-endian, top bit cleared. Changing the derivation would
+    # silently change every DARE build and router init: pin it.
+    assert generator_for(0, "x").initial_seed() == 6954302760706977299
+    assert generator_for(0, "x").initial_seed() != generator_for(0, "y").initial_seed()
+    assert generator_for(0, "x").initial_seed() != generator_for(1, "x").initial_seed()
+    assert generator_for(0, "x").device == torch.device("cpu")
