@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -81,6 +82,20 @@ def main() -> None:
             arch = json.loads((moe / "config.json").read_text())["architectures"][0]
             rows.append({"family": family, "output": arch, "transformers_5": v5,
                          "transformers_4": v4, "max_abs_diff": diff})
+        # control: the same llama MoE with a transformers-5 style config (rope_parameters, no
+        # rope_theta) is what a careless writer produces; transformers 4 must disagree with it
+        control = root / "control"
+        shutil.copytree(root / "llama-moe", control)
+        config = json.loads((control / "config.json").read_text())
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
+        config.pop("rope_scaling", None)
+        (control / "config.json").write_text(json.dumps(config))
+        logits_in(sys.executable, control, root / "ids.pt", root / "v5.pt")
+        logits_in(opts.python, control, root / "ids.pt", root / "v4.pt")
+        diff = (torch.load(root / "v5.pt") - torch.load(root / "v4.pt")).abs().max().item()
+        rows.append({"family": "llama (control: rope_parameters only)",
+                     "output": config["architectures"][0],
+                     "transformers_5": v5, "transformers_4": v4, "max_abs_diff": diff})
     lines = [f"# transformers 4 vs 5 on moemerge outputs ({time.strftime('%Y-%m-%d')})", "",
              "| source | output | transformers 5 | transformers 4 | max abs logit diff |",
              "|---|---|---|---|---|"]
