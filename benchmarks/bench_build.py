@@ -69,17 +69,20 @@ def make_inputs(root: Path, hidden: int, layers: int, copies: int = 3) -> list[P
     import torch
     from safetensors.torch import load_file, save_file
 
-    from moemerge.toy.experts import make_random_model
+    from moemerge.toy import make_random_model, train_tokenizer
 
+    # mergekit-moe insists on a tokenizer, even for random gates
+    tokenizer = train_tokenizer(["def f(x):\n    return x + 1\n" * 50], vocab_size=300)
     base = make_random_model("llama", root / "base", hidden=hidden, layers=layers,
                              heads=hidden // 64, kv_heads=max(1, hidden // 256),
-                             intermediate=hidden * 11 // 4, vocab=8192)
+                             intermediate=hidden * 11 // 4, vocab=8192, tokenizer=tokenizer)
     tensors = load_file(base / "model.safetensors")
     paths = [base]
     for e in range(copies):
         expert = root / f"m{e}"
         expert.mkdir()
-        (expert / "config.json").write_bytes((base / "config.json").read_bytes())
+        for side in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            (expert / side).write_bytes((base / side).read_bytes())
         gen = torch.Generator().manual_seed(e)
         noisy = {n: t + 0.01 * torch.randn(t.shape, generator=gen) for n, t in tensors.items()}
         save_file(noisy, expert / "model.safetensors", metadata={"format": "pt"})

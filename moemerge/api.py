@@ -68,6 +68,7 @@ def build(
     lookahead: int = 3,
 ) -> BuildResult:
     recipe_path = Path(recipe_path)
+    out = Path(out) if out is not None else None
     recipe = load_recipe(recipe_path)
     try:
         max_shard = parse_size(recipe.output.max_shard_size)

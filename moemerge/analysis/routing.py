@@ -1,0 +1,201 @@
+"""Routing report of a token-routed MoE: which experts each domain's tokens are sent to.
+
+Forward hooks on every router (`…mlp.gate`, the module whose weight is [num_experts, hidden])
+read its logits, take the top-k (k = config `num_experts_per_tok`) and count, per layer, how
+many token slots each expert gets: each token fills k slots, so a layer's shares sum to 1 and
+uniform routing gives every expert 1/E. The top-k is taken here from the logits (the order of
+softmax(logits)), so it does not depend on what the gate returns: logits alone (transformers 4)
+or (logits, scores, indices) (transformers 5). The forward passes are those of
+`moemerge.eval.perplexity`, so one pass per window gives both the routing and the perplexity.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from moemerge.analysis.data import load_domain_texts
+from moemerge.errors import CheckpointError, RecipeError
+from moemerge.eval.perplexity import perplexity
+
+SCHEMA = "moemerge.routing/1"  # bump when a key changes meaning or disappears (docs/inspect.md)
+RECIPE_COPY = "moemerge_recipe.yaml"  # written next to the weights by `moemerge build`
+
+
+@dataclass
+class DomainRouting:
+    tokens: int  # token positions routed (per layer)
+    perplexity: float
+    share: list[list[float]]  # [layer][expert]: fraction of the layer's token slots
+
+    @property
+    def mean_share(self) -> list[float]:
+        """[expert]: the per-layer shares averaged over layers."""
+        return [sum(col) / len(col) for col in zip(*self.share, strict=True)]
+
+
+@dataclass
+class RoutingReport:
+    model: str
+    experts_per_token: int
+    labels: list[str]  # one per expert, in the checkpoint's expert order
+    layers: list[int]  # indices of the layers that have a router
+    domains: dict[str, DomainRouting] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "schema": SCHEMA, "model": self.model, "experts_per_token": self.experts_per_token,
+            "num_experts": len(self.labels), "experts": self.labels, "layers": self.layers,
+            "domains": {
+                name: {"tokens": d.tokens, "perplexity": d.perplexity, "share": d.share,
+                       "mean_share": d.mean_share}
+                for name, d in self.domains.items()
+            },
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+
+def moe_shape(config, where: str) -> tuple[int, int]:
+    """(num_experts, experts_per_token) of an MoE config; CheckpointError for a dense one."""
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    k = getattr(config, "num_experts_per_tok", None)
+    if not experts or not k:
+        raise CheckpointError(
+            f"{where}: not an MoE checkpoint (its config has no num_local_experts / num_experts "
+            "and num_experts_per_tok); a routing report needs a Mixtral, Qwen2-MoE or Qwen3-MoE "
+            "model (for task vectors, give BASE EXPERT... without --data)"
+        )
+    return int(experts), int(k)
+
+
+def find_routers(model: torch.nn.Module, num_experts: int) -> list[tuple[int, torch.nn.Module]]:
+    """[(layer index, router)] for modules named `gate` with a [num_experts, hidden] weight
+    (Qwen2-MoE's `shared_expert_gate` is [1, hidden] and named otherwise)."""
+    routers = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if name.rsplit(".", 1)[-1] != "gate" or not isinstance(weight, torch.Tensor):
+            continue
+        layer = re.search(r"layers\.(\d+)\.", name)
+        if weight.dim() == 2 and weight.shape[0] == num_experts and layer:
+            routers.append((int(layer.group(1)), module))
+    return sorted(routers, key=lambda pair: pair[0])
+
+
+@torch.no_grad()
+def routing_report(
+    model: torch.nn.Module,
+    tokenizer,
+    texts: dict[str, str],
+    *,
+    seq_len: int = 256,
+    max_tokens: int | None = 20000,
+    labels: list[str] | None = None,
+    name: str = "",
+) -> RoutingReport:
+    """Route each domain's text (its first `max_tokens` tokens, in windows of `seq_len`)
+    through an already-loaded MoE; shares per (domain, layer, expert) and perplexity.
+    `labels` name the experts (numbered when absent or of the wrong length)."""
+    num_experts, k = moe_shape(model.config, name or type(model).__name__)
+    routers = find_routers(model, num_experts)
+    if not routers:
+        raise CheckpointError(f"{name or type(model).__name__}: not an MoE (no router modules "
+                              f"with {num_experts} outputs found)")
+    if labels is None or len(labels) != num_experts:
+        labels = [f"expert {e}" for e in range(num_experts)]
+    counts = torch.zeros(len(routers), num_experts, dtype=torch.long)  # [layer, expert] slots
+
+    def hook(row: int):
+        def record(module, args, output) -> None:
+            logits = output[0] if isinstance(output, tuple) else output  # [..., experts]
+            chosen = logits.reshape(-1, num_experts).topk(k, dim=-1).indices  # [tokens, k]
+            counts[row] += torch.bincount(chosen.flatten().cpu(), minlength=num_experts)
+        return record
+
+    report = RoutingReport(name, k, list(labels), [layer for layer, _ in routers])
+    handles = [m.register_forward_hook(hook(row)) for row, (_, m) in enumerate(routers)]
+    was_training = model.training
+    try:
+        for domain, text in texts.items():
+            counts.zero_()
+            try:
+                ppl = perplexity(model, tokenizer, text, seq_len=seq_len, max_tokens=max_tokens)
+            except ValueError:
+                raise RecipeError(f"domain {domain!r}: its text has fewer than 2 tokens") from None
+            slots = counts.sum(dim=1, keepdim=True)  # [layer, 1] = tokens * k
+            share = (counts.double() / slots).tolist()
+            report.domains[domain] = DomainRouting(int(slots[0, 0]) // k, ppl, share)
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)  # perplexity() switched to eval; a trainer may want it back
+    return report
+
+
+def expert_labels(model_dir: Path, num_experts: int) -> list[str]:
+    """Expert names from the recipe copy `build` left in `model_dir` (the expert's `name`, else
+    its directory's name; "base" last with include_base_expert), else "expert 0..N-1"."""
+    default = [f"expert {e}" for e in range(num_experts)]
+    try:
+        recipe = yaml.safe_load((model_dir / RECIPE_COPY).read_text())
+        experts = recipe["experts"]
+        labels: list[str] = []
+        for ref in experts:
+            ref = {"model": ref} if isinstance(ref, str) else ref
+            label = ref.get("name") or Path(str(ref["model"]).rstrip("/")).name
+            labels.append(label if label not in {"base", *labels} else f"{label}#{len(labels)+1}")
+        if recipe.get("include_base_expert"):
+            labels.append("base")
+    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
+        return default  # no recipe copy (or not one of ours): numbered experts
+    return labels if len(labels) == num_experts else default
+
+
+def load_moe(model_dir: Path):
+    """(model, tokenizer) of a local MoE checkpoint in fp32; clear errors for the wrong kind."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    if not (model_dir / "config.json").is_file():
+        raise CheckpointError(f"{model_dir}: no config.json; give a model directory")
+    try:
+        moe_shape(AutoConfig.from_pretrained(model_dir), str(model_dir))  # before any weights
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"cannot load an MoE and its tokenizer from {model_dir}: {exc}"
+        ) from None
+    return model, tokenizer
+
+
+def routing_report_from_dir(
+    model_dir: Path | str,
+    data: Iterable[str],
+    *,
+    label_field: str = "domain",
+    text_field: str = "text",
+    seq_len: int = 256,
+    max_tokens: int | None = 20000,
+) -> RoutingReport:
+    """`moemerge inspect MODEL_DIR --data ...`: the data is read (and checked) before the model."""
+    model_dir = Path(model_dir)
+    texts = load_domain_texts(data, label_field=label_field, text_field=text_field)
+    model, tokenizer = load_moe(model_dir)
+    labels = expert_labels(model_dir, moe_shape(model.config, str(model_dir))[0])
+    return routing_report(model, tokenizer, texts, seq_len=seq_len, max_tokens=max_tokens,
+                          labels=labels, name=str(model_dir))

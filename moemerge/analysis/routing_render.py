@@ -1,0 +1,89 @@
+"""Renderings of a RoutingReport: rich tables (mean over layers; per layer) and a PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+
+from moemerge.analysis.routing import RoutingReport
+
+
+def _shares(values: list[float]) -> list[str]:
+    """Percentages, the largest in bold (the expert this domain's tokens go to most)."""
+    top = max(values)
+    return [f"[bold]{v:.1%}[/]" if v == top else f"{v:.1%}" for v in values]
+
+
+def _title(report: RoutingReport, what: str) -> str:
+    n = len(report.labels)
+    return (f"routing: share of token slots per expert, {what} (top-{report.experts_per_token} "
+            f"of {n}; uniform = {1 / n:.1%})")
+
+
+def summary_table(report: RoutingReport) -> Table:
+    """Rows = domains; columns = each expert's share averaged over layers, tokens, perplexity."""
+    table = Table(title=_title(report, f"mean over {len(report.layers)} layers"),
+                  title_justify="left")
+    table.add_column("domain")
+    for label in report.labels:
+        table.add_column(label, justify="right")
+    table.add_column("tokens", justify="right")
+    table.add_column("perplexity", justify="right")
+    for name, d in report.domains.items():
+        table.add_row(name, *_shares(d.mean_share), str(d.tokens), f"{d.perplexity:.2f}")
+    return table
+
+
+def layer_table(report: RoutingReport) -> Table:
+    """Rows = (domain, layer); columns = each expert's share in that layer."""
+    table = Table(title=_title(report, "per layer"), title_justify="left")
+    table.add_column("domain")
+    table.add_column("layer", justify="right")
+    for label in report.labels:
+        table.add_column(label, justify="right")
+    for name, d in report.domains.items():
+        for layer, row in zip(report.layers, d.share, strict=True):
+            table.add_row(name, str(layer), *_shares(row))
+    return table
+
+
+def plot(report: RoutingReport, path: Path) -> None:
+    """Left: grouped bars of each domain's mean share per expert (as MergeME's Fig. 5), with
+    the uniform share dashed. Then one heatmap per domain: rows layers, columns experts."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend; PNG goes through Agg
+
+    labels, layers, domains = report.labels, report.layers, list(report.domains)
+    n = len(labels)
+    fig = Figure(figsize=(3.5 + 0.5 * n + len(domains) * (1.2 + 0.45 * n),
+                          2.6 + 0.22 * len(layers)), layout="constrained")
+    axes = fig.subplots(1, 1 + len(domains), squeeze=False,
+                        width_ratios=[1.5 + 0.4 * n] + [0.8 + 0.45 * n] * len(domains))[0]
+    bars = axes[0]
+    width = 0.8 / max(1, len(domains))
+    for i, name in enumerate(domains):
+        xs = [e - 0.4 + width * (i + 0.5) for e in range(n)]
+        bars.bar(xs, report.domains[name].mean_share, width, label=name)
+    bars.axhline(1 / n, color="grey", linestyle="--", linewidth=0.8)
+    bars.set_xticks(range(n), labels, rotation=45, ha="right", fontsize=7)
+    bars.set_xlabel("expert", fontsize=8)
+    bars.set_ylabel("share of token slots (mean over layers)", fontsize=8)
+    bars.legend(fontsize=7, title="domain", title_fontsize=7)
+    image = None
+    for ax, name in zip(axes[1:], domains, strict=True):
+        grid = report.domains[name].share  # [layer, expert]
+        image = ax.imshow(grid, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+        ax.set_title(name, fontsize=8)
+        ax.set_xticks(range(n), labels, rotation=45, ha="right", fontsize=7)
+        ax.set_yticks(range(len(layers)), [str(layer) for layer in layers], fontsize=7)
+        if len(layers) * n <= 150:  # annotate only while the numbers stay legible
+            for y, row in enumerate(grid):
+                for x, value in enumerate(row):
+                    ax.text(x, y, f"{value:.0%}", ha="center", va="center", fontsize=6,
+                            color="black" if value > 0.6 else "white")
+    if domains:
+        axes[1].set_ylabel("layer", fontsize=8)
+        fig.colorbar(image, ax=list(axes[1:]), label="share of token slots", shrink=0.9)
+    fig.suptitle(f"routing of {report.model} (top-{report.experts_per_token} of {n})",
+                 fontsize=8)
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,167 @@
+"""`moemerge inspect MODEL --data ...`: routing shares checked against hand-known and
+independently computed routing, on the toy experts, through the CLI, and on bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import TEXT, write_recipe
+from typer.testing import CliRunner
+
+from moemerge.analysis.data import load_domain_texts
+from moemerge.analysis.routing import load_moe, routing_report, routing_report_from_dir
+from moemerge.api import build
+from moemerge.cli import app
+from moemerge.errors import RecipeError
+
+torch.set_num_threads(1)
+MATH = "Q: What is 12 * 7? A: 12 * 7 = 84.\n" * 40
+
+
+@pytest.fixture(scope="module")
+def moe(model_factory, tmp_path_factory):
+    """make(n, k) -> an MoE of n identical copies of a tiny llama (experts 'code', 'math', …):
+    its output does not depend on the routing, so routers can be rewritten freely."""
+    dense, root, made = model_factory("llama"), tmp_path_factory.mktemp("routing"), {}
+
+    def make(n: int, k: int) -> Path:
+        if (n, k) not in made:
+            names = ["code", "math", "prose"][:n]
+            experts = "\n".join(f"  - {{model: {dense}, name: {name}}}" for name in names)
+            recipe = write_recipe(root / f"r{n}{k}.yaml", f"kind: moe\nbase_model: {dense}\n"
+                                  f"experts:\n{experts}\nexperts_per_token: {k}\nseed: 3\n")
+            build(recipe, root / f"moe{n}{k}", progress=False)
+            made[n, k] = root / f"moe{n}{k}"
+        return made[n, k]
+
+    return make
+
+
+@pytest.mark.parametrize("n, k, rows, expected", [
+    (2, 1, ([0.0, 1.0], [1.0, 0.0]), ([0.0, 1.0], [1.0, 0.0])),  # layer 0 → 1, layer 1 → 0
+    (3, 2, ([2.0, 0.0, 1.0], [0.0, 1.0, 2.0]), ([0.5, 0.0, 0.5], [0.0, 0.5, 0.5])),
+])
+def test_hand_known_routing(moe, n, k, rows, expected):
+    """A large constant in embedding dimension 0 makes every router input's dimension 0
+    positive (≈ +√hidden after the norm); router rows c·e₀ then rank the experts by c."""
+    model, tokenizer = load_moe(moe(n, k))
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 10.0
+        for layer, row in zip(model.model.layers, rows, strict=True):
+            layer.mlp.gate.weight.zero_()
+            layer.mlp.gate.weight[:, 0] = torch.tensor(row)
+    report = routing_report(model, tokenizer, {"code": TEXT * 5}, seq_len=16)
+    domain = report.domains["code"]
+    assert report.labels == [f"expert {e}" for e in range(n)] and report.layers == [0, 1]
+    assert domain.share == [list(r) for r in expected]
+    assert domain.mean_share == pytest.approx([(a + b) / 2 for a, b in zip(*expected, strict=True)])
+
+
+def test_shares_match_top_k_of_the_captured_router_inputs(moe):
+    """Oracle: the MoE blocks' inputs h (captured by separate hooks) give top-k(h·Wᵀ) counts."""
+    model, tokenizer = load_moe(moe(3, 2))
+    captured: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    handles = [layer.mlp.register_forward_pre_hook(
+        lambda m, args, i=i: captured[i].append(args[0].reshape(-1, args[0].shape[-1])))
+        for i, layer in enumerate(model.model.layers)]
+    texts = {"code": TEXT * 8, "math": MATH}
+    report = routing_report(model, tokenizer, texts, seq_len=32, max_tokens=300,
+                            labels=["code", "math", "prose"])
+    for handle in handles:
+        handle.remove()
+
+    offset = 0
+    for domain, text in texts.items():
+        n = min(len(tokenizer(text, add_special_tokens=False)["input_ids"]), 300)
+        routed = sum(min(33, n - i) - 1 for i in range(0, n - 1, 33))  # windows of 32 + 1
+        result = report.domains[domain]
+        assert result.tokens == routed
+        for layer, h in captured.items():
+            h = torch.cat(h)[offset: offset + routed]  # [tokens, hidden]
+            chosen = (h @ model.model.layers[layer].mlp.gate.weight.T).topk(2).indices
+            counts = torch.bincount(chosen.flatten(), minlength=3)
+            assert result.share[layer] == pytest.approx((counts / (2 * routed)).tolist())
+            assert sum(result.share[layer]) == pytest.approx(1.0)
+        assert sum(result.mean_share) == pytest.approx(1.0)
+        offset += routed
+    assert report.domains["math"].perplexity > 1.0
+
+
+def test_toy_experts_get_their_own_domain(tmp_path_factory):
+    """recipes/toy_moe.yaml (prompts router, top-2 of 3) on the TINY toy experts. Measured
+    (torch 2.13 CPU): each domain's own expert gets 48.9 % (code), 49.4 % (prose), 46.8 % (math)
+    of the slots, chance being 33.3 %; with top-1, 42 / 66 / 90 %."""
+    from moemerge.toy import TINY, cached_toy_experts
+
+    root = tmp_path_factory.mktemp("toy")
+    toyset = cached_toy_experts(TINY, cache_dir=root / "cache", progress=False)
+    recipe = yaml.safe_load((Path(__file__).parents[2] / "recipes/toy_moe.yaml").read_text())
+    recipe["base_model"] = str(toyset.base)
+    for expert in recipe["experts"]:
+        expert["model"] = str(toyset.experts[expert["name"]])
+    (root / "toy.yaml").write_text(yaml.safe_dump(recipe))
+    build(root / "toy.yaml", root / "moe", progress=False)
+
+    specs = [f"{domain}={path}" for domain, path in toyset.eval_text.items()]
+    report = routing_report_from_dir(root / "moe", specs)
+    assert report.labels == ["code", "prose", "math"]  # from the recipe copy
+    for domain in ("code", "prose", "math"):
+        own = report.domains[domain].mean_share[report.labels.index(domain)]
+        assert own > 0.42, (domain, own)
+
+
+def test_data_specs(tmp_path):
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "code.txt").write_text(TEXT)
+    (tmp_path / "dir" / "notes.md").write_text("ignored")
+    rows = [{"domain": "math", "text": "1 + 1"}, {"domain": "prose", "text": "Hello."},
+            {"domain": "math", "text": "2 + 2"}]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    (tmp_path / "x.txt").write_text("x")
+    texts = load_domain_texts([str(tmp_path / "dir"), str(tmp_path / "d.jsonl"),
+                               f"extra={tmp_path / 'x.txt'}"])
+    assert texts == {"code": TEXT, "math": "1 + 1\n\n2 + 2", "prose": "Hello.", "extra": "x"}
+
+    (tmp_path / "empty.txt").write_text(" \n")
+    for specs, message in [
+        ([f"a={tmp_path / 'nope.txt'}"], "nope.txt: file not found"),
+        ([f"a={tmp_path / 'empty.txt'}"], "empty.txt: domain 'a' has no text"),
+        ([f"code={tmp_path / 'x.txt'}", str(tmp_path / "dir")], "domain 'code' given twice"),
+        ([str(tmp_path / "x.txt")], "give NAME="),
+    ]:
+        with pytest.raises(RecipeError, match=message):
+            load_domain_texts(specs)
+    with pytest.raises(RecipeError, match="no label field 'topic'"):
+        load_domain_texts([str(tmp_path / "d.jsonl")], label_field="topic")
+
+
+def test_cli(moe, model_factory, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "code.txt").write_text(TEXT * 10)
+    (data / "math.txt").write_text(MATH)
+    js, png = tmp_path / "r.json", tmp_path / "r.png"
+    runner = CliRunner()
+    result = runner.invoke(app, ["inspect", str(moe(2, 1)), "--data", str(data), "--json",
+                                 str(js), "--plot", str(png), "--per-layer", "--seq-len", "64"])
+    assert result.exit_code == 0, result.output
+    assert "perplexity" in result.output and "per layer" in result.output
+    assert "code" in result.output and "math" in result.output
+    doc = json.loads(js.read_text())
+    assert set(doc) == {"schema", "model", "experts_per_token", "num_experts", "experts",
+                        "layers", "domains"}
+    assert doc["schema"] == "moemerge.routing/1" and doc["experts"] == ["code", "math"]
+    assert doc["num_experts"] == 2 and doc["experts_per_token"] == 1
+    assert set(doc["domains"]["math"]) == {"tokens", "perplexity", "share", "mean_share"}
+    assert png.stat().st_size > 1024 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    dense = runner.invoke(app, ["inspect", str(model_factory("llama")), "--data", str(data)])
+    assert dense.exit_code == 1 and "not an MoE" in dense.output
+    missing = runner.invoke(app, ["inspect", str(moe(2, 1)), "--data", f"a={data / 'no.txt'}"])
+    assert missing.exit_code == 2 and "no.txt" in missing.output
+    both = runner.invoke(app, ["inspect", str(moe(2, 1)), str(moe(2, 1)), "--data", str(data)])
+    assert both.exit_code == 2 and "exactly one MODEL" in both.output
