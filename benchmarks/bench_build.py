@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,13 +46,23 @@ elif mode == "io_floor":
         left = args["out_bytes"]
         while left > 0:
             left -= out.write(memoryview(block)[: min(left, len(block))])
-elif mode == "moemerge":
+elif mode == "moemerge":  # in process, timed after the imports: the build itself
     from moemerge.api import build
+    t0 = time.perf_counter()
     build(args["recipe"], args["out"], progress=False, verify="structure")
-else:  # an external command; its peak RSS is that of the waited-for child
+elif mode == "make":
+    sys.path.insert(0, args["here"])
+    from bench_build import make_inputs
+    print(json.dumps(make_inputs(args["root"], args["hidden"], args["layers"])))
+    sys.exit(0)
+else:  # an external command, timed whole (start-up included); peak RSS of the waited-for child
     subprocess.run(args["cmd"], check=True, capture_output=True)
-usage = resource.getrusage(resource.RUSAGE_SELF if mode != "cmd" else resource.RUSAGE_CHILDREN)
-print(json.dumps({"seconds": time.perf_counter() - t0, "peak_rss_mib": usage.ru_maxrss / 1024}))
+if mode == "cmd":
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+else:  # VmHWM belongs to this exec's address space; ru_maxrss would include the parent's
+    status = open("/proc/self/status").read()
+    peak = int(status.split("VmHWM:")[1].split()[0]) / 1024
+print(json.dumps({"seconds": time.perf_counter() - t0, "peak_rss_mib": peak}))
 """
 
 
@@ -64,13 +74,16 @@ def child(mode: str, **args) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def make_inputs(root: Path, hidden: int, layers: int, copies: int = 3) -> list[Path]:
-    """A random Llama base and `copies` noisy copies of it (stand-ins for fine-tunes)."""
+def make_inputs(root: str, hidden: int, layers: int, copies: int = 3) -> dict:
+    """A random Llama base and `copies` noisy copies of it (stand-ins for fine-tunes); returns
+    their paths, the parameter count, the largest tensor and each recipe's output size."""
     import torch
     from safetensors.torch import load_file, save_file
 
+    from moemerge.api import build
     from moemerge.toy import make_random_model, train_tokenizer
 
+    root = Path(root)
     # mergekit-moe insists on a tokenizer, even for random gates
     tokenizer = train_tokenizer(["def f(x):\n    return x + 1\n" * 50], vocab_size=300)
     base = make_random_model("llama", root / "base", hidden=hidden, layers=layers,
@@ -87,7 +100,11 @@ def make_inputs(root: Path, hidden: int, layers: int, copies: int = 3) -> list[P
         noisy = {n: t + 0.01 * torch.randn(t.shape, generator=gen) for n, t in tensors.items()}
         save_file(noisy, expert / "model.safetensors", metadata={"format": "pt"})
         paths.append(expert)
-    return paths
+    out_bytes = {kind: build(moemerge_recipe(root, paths, kind, "average"), None, dry_run=True,
+                             progress=False).plan.total_bytes for kind in ("dense", "moe")}
+    return {"models": [str(p) for p in paths], "out_bytes": out_bytes,
+            "params": sum(t.numel() for t in tensors.values()),
+            "largest": max(t.numel() * t.element_size() for t in tensors.values())}
 
 
 def moemerge_recipe(root: Path, models: list[Path], kind: str, method: str) -> Path:
@@ -122,41 +139,38 @@ def main() -> None:
     parser.add_argument("--mergekit", type=Path, help="bin/ directory holding mergekit-yaml")
     opts = parser.parse_args()
 
-    from moemerge.api import build
-    from moemerge.io.reader import CheckpointReader
-
+    # the parent stays free of torch and tensors: a forked child's peak RSS starts at its parent's
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:
         root = Path(tmp)
-        models = make_inputs(root, opts.hidden, opts.layers)
+        made = child("make", here=str(Path(__file__).parent), root=tmp, hidden=opts.hidden,
+                     layers=opts.layers)
+        models = [Path(m) for m in made["models"]]
         weights = [str(m / "model.safetensors") for m in models]
-        with CheckpointReader(models[0]) as reader:
-            largest = max(m.nbytes for m in reader.metas.values())
-            params = sum(math.prod(m.shape) for m in reader.metas.values())
         runs["idle"] = child("idle")
         for kind, methods in (("dense", METHODS), ("moe", ("base", *METHODS))):
-            plan = build(moemerge_recipe(root, models, kind, "average"), None, dry_run=True,
-                         progress=False).plan
             runs[f"io_floor:{kind}"] = child("io_floor", inputs=weights, out=str(root / "floor"),
-                                             out_bytes=plan.total_bytes)
-            runs[f"io_floor:{kind}"]["out_bytes"] = plan.total_bytes
+                                             out_bytes=made["out_bytes"][kind])
+            runs[f"io_floor:{kind}"]["out_bytes"] = made["out_bytes"][kind]
             for method in methods:
+                recipe = str(moemerge_recipe(root, models, kind, method))
                 out = root / f"out-{kind}-{method}"
-                runs[f"moemerge:{kind}:{method}"] = child(
-                    "moemerge", recipe=str(moemerge_recipe(root, models, kind, method)),
-                    out=str(out))
-                subprocess.run(["rm", "-rf", str(out)], check=True)
-            for method in ("base",) if kind == "moe" else METHODS:
-                if opts.mergekit is None:
-                    break
-                out = root / f"mk-{kind}-{method}"
+                runs[f"moemerge:{kind}:{method}"] = child("moemerge", recipe=recipe, out=str(out))
+                shutil.rmtree(out)
+                if opts.mergekit is None or (kind == "moe" and method != "base"):
+                    continue
+                # whole commands, start-up included, for the comparison with mergekit
+                cli = [str(Path(sys.executable).parent / "moemerge"), "build", recipe, str(out),
+                       "-q", "--verify", "structure"]
+                runs[f"moemerge-cli:{kind}:{method}"] = child("cmd", cmd=cli)
+                shutil.rmtree(out)
                 tool = "mergekit-moe" if kind == "moe" else "mergekit-yaml"
                 cmd = [str(opts.mergekit / tool), str(mergekit_recipe(root, models, kind, method)),
                        str(out), "--lazy-unpickle"] + (["--no-copy-tokenizer"] if kind == "dense"
                                                         else [])
                 runs[f"mergekit:{kind}:{method}"] = child("cmd", cmd=cmd)
-                subprocess.run(["rm", "-rf", str(out)], check=True)
-    report(opts, runs, largest, params)
+                shutil.rmtree(out)
+    report(opts, runs, made["largest"], made["params"])
 
 
 def report(opts, runs: dict, largest: int, params: int) -> None:
@@ -165,7 +179,8 @@ def report(opts, runs: dict, largest: int, params: int) -> None:
     for name, r in runs.items():
         kind = name.split(":")[1]
         floor = runs[f"io_floor:{kind}"]
-        mk = runs.get(f"mergekit:{kind}:{name.split(':')[2]}") if name.count(":") == 2 else None
+        tool, *rest = name.split(":")
+        mk = runs.get(f"mergekit:{kind}:{rest[1]}") if tool == "moemerge-cli" else None
         rss = r["peak_rss_mib"] - idle
         rows.append({
             "run": name, "seconds": round(r["seconds"], 2),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -17,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from moemerge.errors import CheckpointError
 
@@ -38,6 +38,7 @@ class TensorMeta:
     dtype: torch.dtype
     shape: tuple[int, ...]
     file: Path
+    offset: int = -1  # absolute byte offset of the data in a .safetensors file
 
     @property
     def nbytes(self) -> int:
@@ -81,7 +82,7 @@ def read_safetensors_header(file: Path) -> dict[str, TensorMeta]:
                 f"{file} is truncated: tensor {name!r} needs bytes up to {end} but the file has "
                 f"{data_size} (after the header). Download or copy it again."
             )
-        meta = TensorMeta(name, dtype, shape, file)
+        meta = TensorMeta(name, dtype, shape, file, 8 + length + start)
         if not 0 <= start <= end or end - start != meta.nbytes:
             raise CheckpointError(f"{file}: tensor {name!r} has data_offsets [{start}, {end}] "
                                   f"that do not fit its shape {list(shape)} and dtype {dtype_name}")
@@ -177,7 +178,7 @@ class CheckpointReader:
             _close(self._handles.popitem(last=False)[1])
         try:
             if file.suffix == ".safetensors":
-                handle = safe_open(str(file), "pt").__enter__()
+                handle = _RawFile(file)
             else:
                 handle = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:  # any failure to open is this file's fault
@@ -203,8 +204,10 @@ class CheckpointReader:
         handle = self._handle(meta.file)
         try:
             if meta.file.suffix == ".safetensors":
-                return handle.get_tensor(name)  # copies out of the mapping
+                return handle.read(meta)
             return handle[name].clone()  # the pickle's tensor is a view of the mmap
+        except CheckpointError:
+            raise
         except Exception as exc:
             raise CheckpointError(f"{meta.file}: cannot read tensor {name!r}: {exc}") from None
 
@@ -224,5 +227,31 @@ class CheckpointReader:
 
 
 def _close(handle: Any) -> None:
-    if hasattr(handle, "__exit__"):  # safe_open; a pickle's dict just loses its last reference
-        handle.__exit__(None, None, None)
+    if isinstance(handle, _RawFile):  # a pickle's dict just loses its last reference
+        handle.close()
+
+
+class _RawFile:
+    """A .safetensors file read with pread straight into each tensor's own memory.
+
+    Not mmap: mapped pages count in the process's RSS until the mapping closes, so streaming
+    a model through a mapping looks (and, under memory pressure, acts) like holding all of it;
+    pread leaves them in the page cache, where the kernel can drop them."""
+
+    def __init__(self, file: Path):
+        self.file = file
+        self.fd = os.open(file, os.O_RDONLY)
+
+    def read(self, meta: TensorMeta) -> torch.Tensor:
+        out = torch.empty(meta.shape, dtype=meta.dtype)
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())  # little-endian, as on disk
+        offset = meta.offset
+        while view.nbytes:
+            done = os.preadv(self.fd, [view], offset)
+            if done == 0:
+                raise CheckpointError(f"{self.file} ended early while reading {meta.name!r}")
+            view, offset = view[done:], offset + done
+        return out
+
+    def close(self) -> None:
+        os.close(self.fd)

@@ -17,7 +17,9 @@ METHODS_WITH_DENSITY = {"ties", "dare_linear", "dare_ties"}
 
 
 def _refs_from_str(value):
-    """Let a model list hold plain strings as a shorthand for `{model: ...}`."""
+    """Let a model reference, or a list of them, be a plain string: shorthand for `{model: ...}`."""
+    if isinstance(value, str):
+        return {"model": value}
     if isinstance(value, list):
         return [{"model": v} if isinstance(v, str) else v for v in value]
     return value
@@ -88,6 +90,11 @@ class _RecipeBase(Strict):
     seed: int = 0
     output: OutputSpec = OutputSpec()
 
+    # one validator for the model fields of every recipe kind (check_fields: not all have all)
+    _model_refs = field_validator(
+        "base_model", "models", "experts", mode="before", check_fields=False
+    )(_refs_from_str)
+
 
 class MergeRecipe(_RecipeBase):
     """`kind: merge`: N dense models of one architecture become one dense model."""
@@ -96,16 +103,6 @@ class MergeRecipe(_RecipeBase):
     base_model: ModelRef | None = None
     models: list[ModelRef] = Field(min_length=1)
     merge: MergeSpec = MergeSpec()
-
-    @field_validator("base_model", mode="before")
-    @classmethod
-    def _ref_from_str(cls, value):
-        return {"model": value} if isinstance(value, str) else value
-
-    @field_validator("models", mode="before")
-    @classmethod
-    def _refs_from_str(cls, value):
-        return _refs_from_str(value)
 
     @model_validator(mode="after")
     def _base_when_needed(self) -> MergeRecipe:
@@ -129,16 +126,6 @@ class MoERecipe(_RecipeBase):
     experts_per_token: int = Field(default=2, ge=1)
     merge: MergeSpec = MergeSpec()
     router: RouterSpec = RouterSpec()
-
-    @field_validator("base_model", mode="before")
-    @classmethod
-    def _ref_from_str(cls, value):
-        return {"model": value} if isinstance(value, str) else value
-
-    @field_validator("experts", mode="before")
-    @classmethod
-    def _refs_from_str(cls, value):
-        return _refs_from_str(value)
 
     @property
     def num_experts(self) -> int:

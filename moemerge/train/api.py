@@ -1,0 +1,182 @@
+"""`finetune(config)`: data → model → trainable selection → loop (resumable, DDP) → export."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+from rich.console import Console
+
+from moemerge.errors import CheckpointError, OutputError, RecipeError
+from moemerge.io.reader import CheckpointReader
+from moemerge.train import checkpoint, distributed, loop, report
+from moemerge.train.config import TrainConfig
+from moemerge.train.data import Blocks, collect_texts, make_blocks
+from moemerge.train.export import export, write_json
+from moemerge.train.params import select_trainable
+
+
+@dataclass
+class FinetuneResult:
+    output: Path
+    steps: int
+    trained: list[str]  # in-memory parameter names that trained
+    before: dict[str, dict[str, float]]  # {domain: {loss, ppl}} on held-out blocks
+    after: dict[str, dict[str, float]]
+    records: list[dict] = field(default_factory=list)  # metrics.jsonl, in memory
+    routing: object | None = None  # moemerge.analysis.routing.RoutingReport
+    model: torch.nn.Module | None = None  # the trained model, in memory (fp32)
+
+
+def _load(cfg: TrainConfig, device: torch.device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moemerge.toy.train import quiet_transformers
+
+    with CheckpointReader(Path(cfg.model)):  # clear errors for a missing/truncated checkpoint
+        pass
+    try:
+        with quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.model, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot load a causal LM and its tokenizer from {cfg.model}: "
+                              f"{exc}") from None
+    return model.to(device), tokenizer
+
+
+def _check_outputs(cfg: TrainConfig, ctx: distributed.Dist) -> None:
+    out, root = Path(cfg.output), checkpoint.checkpoint_root(Path(cfg.output))
+    if cfg.fsdp:
+        raise RecipeError("--fsdp: not supported yet; train with DDP (torchrun) on devices that "
+                          "each hold the model, or --router-only, which needs far less memory")
+    if out.exists() and not cfg.force:
+        raise OutputError(f"{out} already exists; pass --force to replace it")
+    if root.exists() and not cfg.resume and checkpoint.latest(root) is not None:
+        if not cfg.force:
+            raise OutputError(f"{root} holds checkpoints of an earlier run; pass --resume to "
+                              "continue it, or --force to delete them and start afresh")
+        distributed.barrier(ctx)
+        if ctx.main:
+            shutil.rmtree(root)
+
+
+def finetune(cfg: TrainConfig, *, console: Console | None = None,
+             on_step: Callable[[dict], None] | None = None) -> FinetuneResult:
+    """Train `cfg.train` parts of the MoE `cfg.model` on `cfg.data` and write `cfg.output`."""
+    ctx = distributed.setup(cfg.device)
+    try:
+        return _finetune(cfg, ctx, console if ctx.main else None, on_step)
+    finally:
+        distributed.teardown(ctx)
+
+
+def _finetune(cfg, ctx, console, on_step) -> FinetuneResult:
+    _check_outputs(cfg, ctx)
+    if cfg.batch_size % (ctx.world * cfg.grad_accum):
+        raise RecipeError(f"batch_size (--batch-size) {cfg.batch_size} must be divisible by "
+                          f"{ctx.world} ranks × grad_accum {cfg.grad_accum}")
+    texts = collect_texts(cfg.data, cfg.text_field)  # data errors before loading any weights
+    model, tokenizer = _load(cfg, ctx.device)
+    blocks = make_blocks(texts, tokenizer, cfg.seq_len, cfg.eval_fraction)
+    names = select_trainable(model, cfg.train, cfg.model)
+    params = dict(model.named_parameters())
+    trainable = [params[n] for n in names]
+    steps = cfg.steps or math.ceil(cfg.epochs * len(blocks.train_ids) / cfg.batch_size)
+    torch.manual_seed(cfg.seed)
+    optim = loop.make_optim(trainable, cfg, steps)
+    records, start = _resume(cfg, params, optim, console)
+    if not records:
+        records.append({"type": "eval", "step": 0, "domains": loop.evaluate(model, blocks, ctx)})
+    before = records[0]["domains"]
+    if console:
+        n = sum(p.numel() for p in trainable)
+        console.print(f"training {len(names)} tensors ({n:,} parameters: {', '.join(cfg.train)}) "
+                      f"on {len(blocks.train_ids)} blocks of {cfg.seq_len} tokens, {steps} steps, "
+                      f"{ctx.world} process(es) on {ctx.device}")
+        console.print(report.eval_table(before, title="held-out loss before training"))
+
+    def log(record: dict) -> None:
+        records.append(record)
+        bar(record)
+        if on_step:
+            on_step(record)
+
+    def save(step: int) -> None:
+        if ctx.main:
+            state = {"fingerprint": cfg.fingerprint(), "records": records,
+                     "trainable": {n: params[n].detach().cpu().clone() for n in names},
+                     "optimizer": optim.optimizer.state_dict(),
+                     "scheduler": optim.scheduler.state_dict(), "rng": checkpoint.rng_state()}
+            checkpoint.save(checkpoint.checkpoint_root(Path(cfg.output)), step, state,
+                            cfg.keep_checkpoints)
+        distributed.barrier(ctx)
+
+    wrapped = distributed.wrap(model, ctx)
+    with report.progress_bar(console, steps, start) as bar:
+        loop.run(wrapped, optim, blocks, cfg, ctx, start=start, steps=steps, trainable=trainable,
+                 on_step=log, save=save, bare=model)
+    after = loop.evaluate(model, blocks, ctx)
+    records.append({"type": "eval", "step": steps, "domains": after})
+    result = FinetuneResult(Path(cfg.output), steps, names, before, after, records, model=model)
+    if ctx.main:
+        if console:
+            console.print(report.eval_table(before, after, title="held-out loss and perplexity"))
+        export(model, names, Path(cfg.model), Path(cfg.output), force=cfg.force,
+               extra=lambda tmp: _reports(tmp, cfg, result, blocks, tokenizer, console))
+    distributed.barrier(ctx)
+    return result
+
+
+def _resume(cfg, params, optim, console) -> tuple[list[dict], int]:
+    """(metrics so far, first step) from the latest checkpoint with --resume, else ([], 0)."""
+    if not cfg.resume:
+        return [], 0
+    found = checkpoint.latest(checkpoint.checkpoint_root(Path(cfg.output)))
+    if found is None:
+        if console:
+            console.print("[yellow]note:[/] --resume: no checkpoint yet; starting afresh")
+        return [], 0
+    state = checkpoint.load(found, cfg.fingerprint())
+    with torch.no_grad():
+        for name, value in state["trainable"].items():
+            params[name].copy_(value)
+    optim.optimizer.load_state_dict(state["optimizer"])
+    optim.scheduler.load_state_dict(state["scheduler"])
+    checkpoint.set_rng_state(state["rng"])
+    if console:
+        console.print(f"resuming from {found} (step {state['step']})")
+    return list(state["records"]), state["step"]
+
+
+def _reports(tmp: Path, cfg: TrainConfig, result: FinetuneResult, blocks: Blocks, tokenizer,
+             console: Console | None) -> None:
+    """OUT/training/: config, metrics.jsonl, loss.png, routing.{json,png}."""
+    where = tmp / "training"
+    (where / "train_config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+    report.write_metrics(where / "metrics.jsonl", result.records)
+    report.loss_plot(where / "loss.png", result.records)
+    from moemerge.analysis.routing import expert_labels, routing_report
+    from moemerge.analysis.routing_render import plot, summary_table
+
+    texts = {d: tokenizer.decode(blocks.tokens[blocks.eval_ids[blocks.domain[blocks.eval_ids] == i]]
+                                 .flatten().tolist())
+             for i, d in enumerate(blocks.domains)}
+    config = result.model.config
+    n_experts = getattr(config, "num_local_experts", None) or config.num_experts
+    labels = expert_labels(Path(cfg.model), n_experts)
+    routing = routing_report(result.model, tokenizer, texts, seq_len=cfg.seq_len, labels=labels,
+                             name=str(cfg.output))
+    (where / "routing.json").write_text(routing.to_json())
+    plot(routing, where / "routing.png")
+    write_json(where / "summary.json", {"steps": result.steps, "trained": result.trained,
+                                        "before": result.before, "after": result.after})
+    result.routing = routing
+    if console:
+        console.print(summary_table(routing))

@@ -1,0 +1,99 @@
+"""The finetune settings: one strict pydantic model, from a YAML file and/or CLI options.
+
+Unknown or misspelt keys are errors; every error is reported at once and names the field and
+where it came from (the file, or the command line).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from moemerge.errors import RecipeError
+
+Part = Literal["routers", "projectors", "all"]
+
+
+class TrainConfig(BaseModel):
+    """Every field of `moemerge finetune` (CLI option `--seq-len` is field `seq_len`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    model: str = Field(min_length=1, description="MoE model directory to train.")
+    output: str = Field(min_length=1, description="Output model directory (written atomically).")
+    data: list[str] = Field(min_length=1, description="Text/JSONL files, dirs, or name=path.")
+    train: list[Part] = Field(default=["routers"], min_length=1)
+    seq_len: int = Field(default=256, ge=2)
+    eval_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
+    text_field: str = "text"
+    batch_size: int = Field(default=8, ge=1, description="Blocks per optimizer step, all ranks.")
+    grad_accum: int = Field(default=1, ge=1)
+    steps: int | None = Field(default=None, ge=1, description="Default: one pass (--epochs).")
+    epochs: float = Field(default=1.0, gt=0.0)
+    lr: float = Field(default=1e-3, gt=0.0)
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int | None = Field(default=None, ge=0, description="Default: 10% of steps.")
+    max_grad_norm: float = Field(default=1.0, ge=0.0, description="0 disables clipping.")
+    aux_loss_coef: float = Field(default=0.0, ge=0.0)
+    eval_every: int = Field(default=0, ge=0)
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    save_every: int = Field(default=0, ge=0)
+    keep_checkpoints: int = Field(default=2, ge=1)
+    resume: bool = False
+    force: bool = False
+    fsdp: bool = False
+    trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        if "all" in self.train and len(self.train) > 1:
+            raise ValueError("train: 'all' (--full) trains everything; do not combine it")
+        if len(set(self.train)) != len(self.train):
+            raise ValueError("train: a part is named twice")
+        return self
+
+    def fingerprint(self) -> dict:
+        """The fields that decide the training trajectory (a resume must match them)."""
+        skip = {"output", "resume", "force", "save_every", "keep_checkpoints", "device"}
+        return self.model_dump(exclude=skip)
+
+
+def _describe(err: dict, cli: bool) -> str:
+    field = ".".join(str(p) for p in err["loc"])
+    if cli and field:
+        field = f"{field} (--{field.split('.')[0].replace('_', '-')})"
+    if err["type"] == "extra_forbid" or err["type"] == "extra_forbidden":
+        return f"{field}: unknown field (misspelt, or not valid here)"
+    if err["type"] == "missing":
+        return f"{field}: missing"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{field}: {msg}" if field else msg
+
+
+def make_config(file: Path | None, overrides: dict) -> TrainConfig:
+    """Validate YAML `file` (optional) updated with CLI `overrides` (None values dropped)."""
+    data: dict = {}
+    if file is not None:
+        if not Path(file).is_file():
+            raise RecipeError(f"{file}: config file not found")
+        try:
+            loaded = yaml.safe_load(Path(file).read_text())
+        except yaml.YAMLError as exc:
+            raise RecipeError(f"{file}: not valid YAML: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise RecipeError(f"{file}: a finetune config is a mapping of fields")
+        data = dict(loaded)
+    data |= {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as exc:
+        errors = [_describe(e, cli=file is None) for e in exc.errors()]
+        noun = "error" if len(errors) == 1 else "errors"
+        lines = "\n".join(f"  - {e}" for e in errors)
+        where = file or "<command line>"
+        raise RecipeError(f"{where}: {len(errors)} config {noun}:\n{lines}") from None

@@ -1,0 +1,82 @@
+"""One process or many: torchrun's environment, the process group, the device, sharding.
+
+Under torchrun (WORLD_SIZE > 1) every rank joins a process group (gloo on CPU, nccl on CUDA),
+wraps the model in DistributedDataParallel and takes a disjoint slice of each global batch, so
+N ranks with B/N blocks each compute the same mean gradient as one process with B.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moemerge.errors import RecipeError
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def setup(device: str) -> Dist:
+    """Read torchrun's env, pick the device, and join the process group when world > 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RecipeError("--device cuda: torch sees no CUDA device here")
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return Dist(rank, world, local_rank, dev)
+
+
+def wrap(model: torch.nn.Module, ctx: Dist) -> torch.nn.Module:
+    """DDP over the trainable parameters when world > 1 (frozen ones are not synchronised)."""
+    if ctx.world == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    # broadcast_buffers off: the models have no buffers that training changes (rotary caches)
+    return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+
+
+def shard(batch: torch.Tensor, ctx: Dist) -> torch.Tensor:
+    """This rank's contiguous slice of a global batch [B] (B divisible by world)."""
+    per = len(batch) // ctx.world
+    return batch[ctx.rank * per: (ctx.rank + 1) * per]
+
+
+def all_sum(values: torch.Tensor, ctx: Dist) -> torch.Tensor:
+    """Sum a small float64 tensor over ranks (identity in one process)."""
+    if ctx.world > 1:
+        values = values.to(ctx.device)
+        dist.all_reduce(values)
+    return values.cpu()
+
+
+def barrier(ctx: Dist) -> None:
+    if ctx.world > 1:
+        dist.barrier()
+
+
+def teardown(ctx: Dist) -> None:
+    if ctx.world > 1 and dist.is_initialized():
+        dist.destroy_process_group()

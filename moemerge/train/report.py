@@ -1,0 +1,101 @@
+"""What a finetune run shows and leaves behind: the before/after table per domain, the live
+progress bar, metrics.jsonl, loss.png and (when moemerge.analysis.routing is there) the routing
+report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+Evals = dict[str, dict[str, float]]
+
+
+def eval_table(before: Evals, after: Evals | None = None, title: str = "held-out loss") -> Table:
+    """Rows = domains (+ mean); loss and perplexity before and, if given, after training."""
+    table = Table(title=title)
+    table.add_column("domain")
+    for col in ["loss", "ppl"] + (["loss after", "ppl after", "Δ ppl"] if after else []):
+        table.add_column(col, justify="right")
+    rows = list(before) + ["mean"]
+    for d in rows:
+        b = _row(before, d)
+        cells = [f"{b['loss']:.4f}", f"{b['ppl']:.2f}"]
+        if after:
+            a = _row(after, d)
+            change = 100 * (a["ppl"] / b["ppl"] - 1)
+            colour = "green" if change < 0 else "red"
+            cells += [f"{a['loss']:.4f}", f"{a['ppl']:.2f}", f"[{colour}]{change:+.1f}%[/]"]
+        table.add_row(d, *cells)
+    return table
+
+
+def _row(evals: Evals, domain: str) -> dict[str, float]:
+    if domain != "mean":
+        return evals[domain]
+    n = len(evals)
+    return {k: sum(e[k] for e in evals.values()) / n for k in ("loss", "ppl")}
+
+
+@contextmanager
+def progress_bar(console: Console | None, total: int, start: int) -> Iterator:
+    """Yields update(record); a rich bar with step, loss, tokens/s and ETA (or nothing)."""
+    if console is None:
+        yield lambda record: None
+        return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("loss {task.fields[loss]:.4f}"),
+               TextColumn("{task.fields[tps]:,.0f} tok/s"), TimeElapsedColumn(),
+               TextColumn("ETA"), TimeRemainingColumn())
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task("train", total=total, completed=start, loss=float("nan"), tps=0.0)
+
+        def update(record: dict) -> None:
+            if record["type"] == "train":
+                bar.update(task, completed=record["step"], loss=record["loss"],
+                           tps=record["tokens_per_s"])
+
+        yield update
+
+
+def write_metrics(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def loss_plot(path: Path, records: list[dict]) -> None:
+    """Training loss per step and held-out mean loss at each evaluation (a Figure, no pyplot)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=120)
+    ax = fig.add_subplot()
+    train = [r for r in records if r["type"] == "train"]
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train", lw=1)
+    evals = [r for r in records if r["type"] == "eval"]
+    if evals:
+        means = [sum(d["loss"] for d in r["domains"].values()) / len(r["domains"]) for r in evals]
+        ax.plot([r["step"] for r in evals], means, "o-", label="held-out (mean of domains)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def routing_available() -> bool:
+    """True when the routing report (moemerge.analysis.routing) is installed."""
+    return importlib.util.find_spec("moemerge.analysis.routing") is not None
