@@ -358,7 +358,7 @@ def finetune(
 ) -> None:
     """Fine-tune an MoE's routers (default), or everything (--full), on text; write OUT.
 
-    Runs on one process or many: `torchrun --nproc-per-node N $(which moemerge) finetune ...`."""
+    Runs on one process or many: `torchrun --nproc-per-node N -m moemerge finetune ...`."""
     from moemerge.errors import RecipeError
     from moemerge.train.api import finetune as run_finetune
     from moemerge.train.config import make_config
@@ -388,7 +388,3 @@ _FINETUNE_FIELDS = {
     "aux_loss_coef", "eval_every", "seed", "device", "save_every", "keep_checkpoints", "resume",
     "force", "fsdp", "trust_remote_code",
 }
-
-
-def run() -> None:  # pragma: no cover - console-script entry for `python -m moemerge`
-    app()

@@ -47,17 +47,26 @@ def _combine(stack: Tensor, w: Tensor) -> Tensor:
     return (stack * w.to(stack.device).reshape(-1, *([1] * (stack.dim() - 1)))).sum(dim=0)
 
 
+def _weighted_sum(tensors: Sequence[Tensor], w: Tensor) -> Tensor:
+    """Σ_i w_i · t_i accumulated in place: one pass over each input, no [N, *shape] stack (the
+    linear methods are memory-bound, and a stack triples their traffic)."""
+    out = tensors[0].float() * w[0].item()
+    for t, wi in zip(tensors[1:], w[1:].tolist(), strict=True):
+        out.add_(t.float(), alpha=wi)
+    return out
+
+
 def average(tensors: Sequence[Tensor], weights: Weights = None) -> Tensor:
     """Σ w_i θ_i / Σ w_i."""
-    w = _weights(weights, len(tensors), normalize=True)
-    return _combine(torch.stack([t.float() for t in tensors]), w)
+    return _weighted_sum(tensors, _weights(weights, len(tensors), normalize=True))
 
 
 def task_arithmetic(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
                     lam: float = 1.0, normalize: bool = True) -> Tensor:
     """θ_base + λ Σ w_i τ_i (w normalised to sum 1 when `normalize`)."""
     w = _weights(weights, len(tensors), normalize)
-    return base.float() + lam * _combine(task_vectors(base, tensors), w)
+    out = _weighted_sum(tensors, w * lam)  # λ Σ w_i θ_i ...
+    return out.add_(base.float(), alpha=1.0 - lam * w.sum().item())  # ... + (1 − λ Σ w_i) θ_b
 
 
 def ties(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
