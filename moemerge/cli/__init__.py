@@ -1,0 +1,10 @@
+"""The `moemerge` command: thin Typer commands over the Python API, one module per command group.
+
+Exit codes scripts can rely on: 0 success, 1 runtime error (bad or missing checkpoint, mismatch
+between models, failed output check), 2 recipe or usage error, 130 interrupted.
+"""
+
+from moemerge.cli import build, demo, finetune, inspect  # noqa: F401  (register the commands)
+from moemerge.cli.app import app
+
+__all__ = ["app"]

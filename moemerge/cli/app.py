@@ -1,0 +1,61 @@
+"""The Typer app, its consoles and the one place errors become exit codes.
+
+Exit codes scripts can rely on: 0 success, 1 runtime error (bad or missing checkpoint, mismatch
+between models, failed output check), 2 recipe or usage error, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import wraps
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from moemerge import __version__
+from moemerge.errors import MoemergeError
+
+app = typer.Typer(
+    name="moemerge",
+    help="Turn dense expert LLM checkpoints into Mixture-of-Experts models.\n\n"
+    "Start with `moemerge demo`: it makes tiny experts offline, builds an MoE from them and "
+    "prints per-domain perplexities.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console()
+err = Console(stderr=True)
+
+
+def reports_errors(command: Callable) -> Callable:
+    """Turn moemerge's own errors into one red paragraph and the error's exit code."""
+
+    @wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except MoemergeError as exc:
+            err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            err.print("[yellow]interrupted; no output was left behind[/]")
+            raise typer.Exit(130) from None
+
+    return run
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"moemerge {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+) -> None:
+    """Turn dense expert LLM checkpoints into Mixture-of-Experts models."""

@@ -1,0 +1,90 @@
+"""`moemerge build` and `moemerge validate`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from moemerge.cli.app import app, err, out, reports_errors
+
+RecipeArg = Annotated[
+    Path, typer.Argument(help="YAML recipe (see docs/recipes.md).", show_default=False)
+]
+
+
+@app.command()
+@reports_errors
+def build(
+    recipe: RecipeArg,
+    output: Annotated[
+        Optional[Path],  # noqa: UP045 - typer needs Optional on 3.10
+        typer.Argument(help="Output directory (created; written atomically).", show_default=False),
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print every output tensor and how it is made; "
+                           "reads headers only, writes nothing.")
+    ] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
+    allow_pickle: Annotated[
+        bool, typer.Option("--allow-pickle", help="Accept pickled .bin checkpoints (loaded with "
+                           "weights_only=True). Only for files you trust.")
+    ] = False,
+    verify: Annotated[
+        str, typer.Option(help="Check of the output: 'full' loads it in transformers, "
+                          "'structure' checks every tensor's name, shape and dtype; 'auto' does "
+                          "'full' up to 2 GiB.")
+    ] = "auto",
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+) -> None:
+    """Build a merged dense model or an MoE from RECIPE into OUTPUT."""
+    from moemerge.api import build as run_build
+    from moemerge.errors import RecipeError
+
+    if verify not in ("auto", "full", "structure"):
+        raise RecipeError(f"--verify: must be auto, full or structure, got {verify!r}")
+    if output is None and not dry_run:
+        raise RecipeError("OUTPUT: missing; give an output directory, or --dry-run")
+    result = run_build(
+        recipe, output, force=force, dry_run=dry_run, allow_pickle=allow_pickle,
+        verify=verify, progress=not quiet and sys.stderr.isatty(),  # type: ignore[arg-type]
+    )
+    if dry_run:
+        from moemerge.report import plan_lines, plan_table
+
+        if out.is_terminal:
+            out.print(plan_table(result.plan))
+        else:
+            print("\n".join(plan_lines(result.plan)))
+        for note in result.plan.notes:
+            out.print(f"[yellow]note:[/] {note}")
+        return
+    size = result.plan.total_bytes / 2**20
+    out.print(
+        f"[green]built[/] {output} ({len(result.plan.jobs)} tensors, {size:.1f} MiB; "
+        f"output check: {result.verified})"
+    )
+
+
+@app.command()
+@reports_errors
+def validate(
+    recipes: Annotated[list[Path], typer.Argument(help="One or more recipe files.")],
+) -> None:
+    """Check recipes without reading any model: reports every error at once (exit 2 if any)."""
+    from moemerge.errors import RecipeError
+    from moemerge.recipe.load import load_recipe
+
+    failed = 0
+    for path in recipes:
+        try:
+            recipe = load_recipe(path)
+        except RecipeError as exc:
+            failed += 1
+            err.print(f"[bold red]invalid:[/] {exc}", highlight=False, soft_wrap=True)
+        else:
+            out.print(f"[green]ok[/] {path} (kind: {recipe.kind})")
+    if failed:
+        raise typer.Exit(2)

@@ -1,0 +1,45 @@
+"""`moemerge toy` and `moemerge demo`: the tiny offline experts and the end-to-end demo."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from moemerge.cli.app import app, err, out, reports_errors
+
+
+@app.command()
+@reports_errors
+def toy(
+    directory: Annotated[Path, typer.Argument(help="Where to put base/ and experts/<domain>/.")],
+    preset: Annotated[str, typer.Option(help="'demo' (hidden 64) or 'tiny' (hidden 32).")] = "demo",
+    force: Annotated[bool, typer.Option("--force", help="Replace DIRECTORY if it exists.")] = False,
+) -> None:
+    """Make tiny domain experts offline (cached) and copy them to DIRECTORY.
+
+    A small Llama is trained on real text always at hand (CPython's stdlib code, its docstrings,
+    generated math problems), then branched into one expert per domain. The bundled recipes in
+    recipes/ expect them in recipes/toy.
+    """
+    from moemerge.demo import materialise_toy_set, preset_spec
+
+    toyset = materialise_toy_set(preset_spec(preset), directory, force=force)
+    out.print(f"[green]toy experts[/] in {directory}: base + {', '.join(toyset.experts)}")
+
+
+@app.command()
+@reports_errors
+def demo(
+    workdir: Annotated[
+        Path, typer.Option(help="Where the toy experts, recipes and built models go.")
+    ] = Path("moemerge-demo"),
+    preset: Annotated[str, typer.Option(help="'demo' (hidden 64) or 'tiny' (hidden 32).")] = "demo",
+) -> None:
+    """End to end on tiny offline experts: make them, build the bundled MoE and dense-merge
+    recipes, and print each model's perplexity per domain."""
+    from moemerge.demo import run_demo
+
+    table = run_demo(workdir, preset_name=preset, console=err)
+    out.print(table)
