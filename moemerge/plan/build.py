@@ -49,7 +49,8 @@ def _merge_job(
     return Job(
         name, shape, dtype, "merge", role.role, role.layer,
         sources=tuple(Source(m, name) for m in merged),
-        base=Source(base, name) if base is not None else None,
+        # average never reads the base: reading it anyway would cost one more model's I/O
+        base=Source(base, name) if base is not None and params.method != "average" else None,
         weights=tuple(weights),
         merge=params,
     )
