@@ -192,12 +192,12 @@ def report(opts, runs: dict, largest: int, params: int) -> None:
         floor = runs[f"io_floor:{kind}"]
         tool, *rest = name.split(":")
         mk = runs.get(f"mergekit:{kind}:{rest[1]}") if tool == "moemerge-cli" else None
-        rss = r["peak_rss_mib"] - idle
+        rss = None if tool == "io_floor" else r["peak_rss_mib"] - idle  # the floor has no torch
         rows.append({
             "run": name, "seconds": round(r["seconds"], 2),
             "x_io_floor": round(r["seconds"] / floor["seconds"], 2),
             "x_mergekit_time": round(r["seconds"] / mk["seconds"], 2) if mk else None,
-            "peak_rss_above_idle_mib": round(rss, 1),
+            "peak_rss_above_idle_mib": None if rss is None else round(rss, 1),
             "x_mergekit_rss": round(r["peak_rss_mib"] / mk["peak_rss_mib"], 2) if mk else None,
             "throughput_mib_s": round(floor["out_bytes"] / 2**20 / r["seconds"], 1),
         })

@@ -35,13 +35,17 @@ def check_loads(directory: Path) -> None:
     """Load with transformers and insist on no missing, unexpected or misshapen tensors."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # moemerge's own bar is the one the user watches
     try:
         _, info = AutoModelForCausalLM.from_pretrained(
             directory, output_loading_info=True, dtype=torch.float32
         )
     except Exception as exc:  # any failure here means the output is not usable
         raise OutputError(f"output check failed: transformers cannot load it: {exc}") from exc
+    finally:
+        hf_logging.enable_progress_bar()
     problems = {k: v for k, v in info.items() if v and k != "error_msgs"} | (
         {"errors": info["error_msgs"]} if info.get("error_msgs") else {}
     )
