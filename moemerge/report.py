@@ -15,13 +15,18 @@ def _human(nbytes: int) -> str:
     raise AssertionError("unreachable")
 
 
-def plan_lines(plan: Plan) -> list[str]:
-    """The plan as tab-separated lines (tensor, shape, dtype, operation), for pipes and grep."""
+def _plan_rows(plan: Plan, times: str) -> list[tuple[str, str, str, str]]:
+    """(tensor, shape, dtype, operation) per job; `times` joins the shape's dimensions."""
     return [
-        "\t".join((job.output, "x".join(map(str, job.shape)),
-                   str(job.dtype).removeprefix("torch."), plan.describe_job(job)))
+        (job.output, times.join(map(str, job.shape)), str(job.dtype).removeprefix("torch."),
+         plan.describe_job(job))
         for job in plan.jobs
     ]
+
+
+def plan_lines(plan: Plan) -> list[str]:
+    """The plan as tab-separated lines (tensor, shape, dtype, operation), for pipes and grep."""
+    return ["\t".join(row) for row in _plan_rows(plan, "x")]
 
 
 def plan_table(plan: Plan) -> Table:
@@ -35,9 +40,6 @@ def plan_table(plan: Plan) -> Table:
     table.add_column("shape")
     table.add_column("dtype")
     table.add_column("operation", overflow="fold")
-    for job in plan.jobs:
-        table.add_row(
-            job.output, "×".join(map(str, job.shape)), str(job.dtype).removeprefix("torch."),
-            plan.describe_job(job),
-        )
+    for row in _plan_rows(plan, "×"):
+        table.add_row(*row)
     return table

@@ -70,7 +70,7 @@ def task_arithmetic(base: Tensor, tensors: Sequence[Tensor], weights: Weights = 
 
 
 def ties(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
-         density: float = DEFAULT_DENSITY, lam: float = 1.0) -> Tensor:
+         density: float = DEFAULT_DENSITY, lam: float = DEFAULT_LAMBDA) -> Tensor:
     """θ_base + λ · disjoint_mean(trim(τ), elect_sign(w · trim(τ)), w)."""
     w = _weights(weights, len(tensors), normalize=False)
     trimmed = trim_to_density(task_vectors(base, tensors), density)  # [N, *shape]
@@ -86,15 +86,15 @@ def _dare(base: Tensor, tensors: Sequence[Tensor], density: float,
 
 
 def dare_linear(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
-                density: float = DEFAULT_DENSITY, lam: float = 1.0, normalize: bool = True,
-                generator: torch.Generator | None = None) -> Tensor:
+                density: float = DEFAULT_DENSITY, lam: float = DEFAULT_LAMBDA,
+                normalize: bool = True, generator: torch.Generator | None = None) -> Tensor:
     """θ_base + λ Σ w_i DARE(τ_i)."""
     w = _weights(weights, len(tensors), normalize)
     return base.float() + lam * _combine(_dare(base, tensors, density, generator), w)
 
 
 def dare_ties(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
-              density: float = DEFAULT_DENSITY, lam: float = 1.0,
+              density: float = DEFAULT_DENSITY, lam: float = DEFAULT_LAMBDA,
               generator: torch.Generator | None = None) -> Tensor:
     """θ_base + λ · disjoint_mean(DARE(τ), elect_sign(w · DARE(τ)), w): DARE replaces the trim."""
     w = _weights(weights, len(tensors), normalize=False)

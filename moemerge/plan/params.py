@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moemerge.merge.methods import DEFAULT_DENSITY, DEFAULT_LAMBDA
 from moemerge.recipe.models import METHODS_WITH_DENSITY, MergeSpec
-
-DEFAULT_DENSITY = 0.7  # TIES / DARE: keep 70 % of each task vector
-DEFAULT_LAMBDA = 1.0
 
 
 @dataclass(frozen=True)
