@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from moemerge.assemble.card import model_card
+from moemerge.assemble.remote_code import copy_modeling_code
 from moemerge.assemble.verify import FULL_LOAD_LIMIT, check_loads, check_structure
 from moemerge.errors import OutputError, RecipeError
 from moemerge.execute import run_jobs
@@ -16,9 +17,11 @@ from moemerge.io.atomic import atomic_output_dir, copy_side_files
 from moemerge.io.writer import ShardedWriter, parse_size
 from moemerge.plan.build import plan_merge, plan_token_routed
 from moemerge.plan.jobs import Plan, Source
-from moemerge.plan.sources import SourceModel, open_sources
-from moemerge.recipe.load import load_recipe
+from moemerge.plan.sequence import plan_bridged, plan_seq_routed
+from moemerge.plan.sources import SourceModel, check_shared_vocabulary, open_sources
+from moemerge.recipe.load import AnyRecipe, load_recipe
 from moemerge.recipe.models import MergeRecipe, MoERecipe
+from moemerge.recipe.sequence import BridgedRecipe, SeqRoutedRecipe
 
 Verify = Literal["auto", "full", "structure"]
 SIDE_FILES = (
@@ -36,11 +39,11 @@ class BuildResult:
     verified: str  # "full", "structure" or "none"
 
 
-def _labelled_refs(recipe: MergeRecipe | MoERecipe) -> list[tuple[str, object]]:
+def _labelled_refs(recipe: AnyRecipe) -> list[tuple[str, object]]:
     refs = []
-    if recipe.base_model is not None:
+    if getattr(recipe, "base_model", None) is not None:
         refs.append(("base", recipe.base_model))
-    inputs = recipe.experts if isinstance(recipe, MoERecipe) else recipe.models
+    inputs = recipe.models if isinstance(recipe, MergeRecipe) else recipe.experts
     for ref in inputs:
         label = getattr(ref, "name", None) or Path(ref.model.rstrip("/")).name
         taken = {lab for lab, _ in refs}
@@ -48,12 +51,31 @@ def _labelled_refs(recipe: MergeRecipe | MoERecipe) -> list[tuple[str, object]]:
     return refs
 
 
-def make_plan(
-    recipe: MergeRecipe | MoERecipe, models: list[SourceModel]
-) -> Plan:
+def make_plan(recipe: AnyRecipe, models: list[SourceModel]) -> Plan:
     if isinstance(recipe, MergeRecipe):
         return plan_merge(recipe, models)
+    if isinstance(recipe, SeqRoutedRecipe):
+        return plan_seq_routed(recipe, models)
+    if isinstance(recipe, BridgedRecipe):
+        return plan_bridged(recipe, models)
     return plan_token_routed(recipe, models)
+
+
+def _tokenizer_source(recipe: AnyRecipe, models: list[SourceModel]) -> SourceModel:
+    """The model whose tokenizer (and generation config) the output keeps."""
+    if isinstance(recipe, BridgedRecipe) and recipe.tokenizer is not None:
+        return models[[e.name for e in recipe.experts].index(recipe.tokenizer)]
+    return models[0]
+
+
+def _router_maker(recipe: AnyRecipe, models: list[SourceModel]):
+    from moemerge.routing.routers import RouterFactory, SequenceRouterFactory
+
+    if isinstance(recipe, MoERecipe):
+        base = models[0]
+        return RouterFactory(recipe, base.path, base.config, lambda: _embed_and_norms(base)).make
+    source = _tokenizer_source(recipe, models)
+    return SequenceRouterFactory(recipe, source.path, source.config).make
 
 
 def build(
@@ -79,7 +101,8 @@ def build(
         raise OutputError(f"{out} already exists; pass --force to replace it")
     with ExitStack() as stack:
         models = open_sources(
-            _labelled_refs(recipe), recipe_path.parent, allow_pickle=allow_pickle, stack=stack
+            _labelled_refs(recipe), recipe_path.parent, allow_pickle=allow_pickle, stack=stack,
+            check=check_shared_vocabulary if isinstance(recipe, BridgedRecipe) else None,
         )
         plan = make_plan(recipe, models)
         if dry_run or out is None:
@@ -88,14 +111,8 @@ def build(
         def load(source: Source):
             return models[source.model].reader.read(source.tensor)
 
-        make_router = None
-        if isinstance(recipe, MoERecipe):
-            from moemerge.routing.routers import RouterFactory
-
-            base = models[0]
-            make_router = RouterFactory(
-                recipe, base.path, base.config, lambda: _embed_and_norms(base)
-            ).make
+        make_router = None if isinstance(recipe, MergeRecipe) else _router_maker(recipe, models)
+        remote_code = "auto_map" in plan.config
 
         with atomic_output_dir(out, force=force) as tmp:
             planned = [(j.output, j.dtype, tuple(j.shape)) for j in plan.jobs]
@@ -104,14 +121,16 @@ def build(
                 for job, tensor in _with_progress(jobs, plan, progress):
                     writer.write(job.output, tensor)
             (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
-            copy_side_files(models[0].path, tmp, SIDE_FILES)
+            copy_side_files(_tokenizer_source(recipe, models).path, tmp, SIDE_FILES)
+            if remote_code:
+                copy_modeling_code(tmp)
             recipe_text = recipe_path.read_text()
             (tmp / RECIPE_COPY).write_text(recipe_text)
             (tmp / "README.md").write_text(model_card(recipe, plan, recipe_text))
             check_structure(tmp, plan)
             full = verify == "full" or (verify == "auto" and plan.total_bytes <= FULL_LOAD_LIMIT)
             if full:
-                check_loads(tmp)
+                check_loads(tmp, trust_remote_code=remote_code)
         return BuildResult(plan, out, "full" if full else "structure")
 
 

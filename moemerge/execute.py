@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from moemerge.merge.methods import merge
-from moemerge.merge.primitives import generator_for
+from moemerge.merge.primitives import generator_for, zero_pad
 from moemerge.plan.jobs import Job, Plan, Source
 
 Load = Callable[[Source], torch.Tensor]
@@ -27,6 +27,10 @@ def compute(job: Job, load: Load, make_router: MakeRouter | None, seed: int) -> 
         out = load(job.sources[0])
     elif job.kind == "zeros":
         out = torch.zeros(job.shape)
+    elif job.kind == "identity":
+        out = torch.eye(*job.shape)
+    elif job.kind == "random":
+        out = torch.randn(job.shape, generator=generator_for(seed, job.output)) * job.std
     elif job.kind == "router":
         assert make_router is not None, "router job without a router factory"
         out = make_router(job, load)
@@ -36,7 +40,7 @@ def compute(job: Job, load: Load, make_router: MakeRouter | None, seed: int) -> 
         out = merge(
             params.method,
             base=load(job.base) if job.base is not None else None,
-            tensors=[load(s) for s in job.sources],
+            tensors=[zero_pad(load(s), job.shape) for s in job.sources],
             weights=list(job.weights) or None,
             density=params.density,
             lam=params.lam,
@@ -53,8 +57,6 @@ def run_jobs(
     """Yield (job, tensor) in plan order, computing up to `lookahead` jobs ahead."""
 
     def prefetch(job: Job) -> dict[Source, torch.Tensor]:
-        if job.kind == "router" and make_router is not None and job.router_init != "task_vector":
-            return {}
         sources = [*job.sources, *([job.base] if job.base is not None else [])]
         return {s: load(s) for s in sources}
 

@@ -68,3 +68,27 @@ def moe_config(
         # the mandatory shared expert is written as zeros of width 1 (see moe.yaml)
         config.update(shared_expert_intermediate_size=1, qkv_bias=True)
     return config
+
+
+# the modeling code moemerge ships next to the weights of its own MoE kinds
+AUTO_MAP = {
+    "AutoConfig": "configuration_moemerge.MoemergeConfig",
+    "AutoModelForCausalLM": "modeling_moemerge.MoemergeForCausalLM",
+}
+TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
+              "max_position_embeddings")
+
+
+def sequence_config(assembly: str, experts: list[dict], names: list[str], *, dtype: torch.dtype,
+                    width: int, token_source: dict, base: dict | None, **settings) -> dict:
+    """config.json of a seq_routed / bridged model (moemerge/modeling/configuration_moemerge.py):
+    each expert's (and the base's) dense config kept whole, in the classic keys."""
+    config = {"architectures": ["MoemergeForCausalLM"], "model_type": "moemerge",
+              "auto_map": dict(AUTO_MAP), "assembly": assembly,
+              "experts": [dense_config(e, dtype) for e in experts], "expert_names": names,
+              "base": dense_config(base, dtype) if base is not None else None,
+              "vocab_size": token_source["vocab_size"], "hidden_size": width}
+    config.update({k: token_source[k] for k in TOKEN_KEYS if k in token_source})
+    config.update(settings, torch_dtype=dtype_name(dtype), tie_word_embeddings=False,
+                  use_cache=True)
+    return config

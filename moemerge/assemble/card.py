@@ -7,10 +7,37 @@ import yaml
 from moemerge import __version__
 from moemerge.plan.jobs import Plan
 from moemerge.recipe.models import MergeRecipe, MoERecipe
+from moemerge.recipe.sequence import BridgedRecipe, SeqRoutedRecipe
+
+USAGE = ("Load it with `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`: "
+         "the modeling code (`modeling_moemerge.py` and its two companions) is next to the "
+         "weights. Override the routing at load time, e.g. `router=\"perplexity\"`.")
 
 
-def model_card(recipe: MergeRecipe | MoERecipe, plan: Plan, recipe_text: str) -> str:
-    if isinstance(recipe, MoERecipe):
+def _sequence_card(recipe: SeqRoutedRecipe | BridgedRecipe, plan: Plan):
+    config = plan.config
+    widths = [e["hidden_size"] for e in config["experts"]]
+    bases = [*([recipe.base_model.model] if getattr(recipe, "base_model", None) else []),
+             *(e.model for e in recipe.experts)]
+    kind = ("sequence-routed Mixture-of-Experts with separate attention"
+            if recipe.assembly == "seq_routed" else
+            "projector-bridged heterogeneous Mixture-of-Experts")
+    what = (f"a {kind} with {len(recipe.experts)} experts, {recipe.experts_per_sequence} per "
+            f"sequence, routed by `{recipe.router.kind}` routing, mixing `{recipe.mix}`")
+    details = [
+        "| expert | name | from | hidden size | layers |", "|---|---|---|---|---|",
+        *(f"| {i} | {name} | `{e.model}` | {w} | {c['num_hidden_layers']} |"
+          for i, (name, e, w, c) in enumerate(zip(config["expert_names"], recipe.experts, widths,
+                                                  config["experts"], strict=True))),
+        "", USAGE,
+    ]
+    return bases, what, details
+
+
+def model_card(recipe, plan: Plan, recipe_text: str) -> str:
+    if isinstance(recipe, SeqRoutedRecipe | BridgedRecipe):
+        bases, what, details = _sequence_card(recipe, plan)
+    elif isinstance(recipe, MoERecipe):
         bases = [recipe.base_model.model, *(e.model for e in recipe.experts)]
         experts = [(e.name or "", e.model) for e in recipe.experts]
         if recipe.include_base_expert:
@@ -35,7 +62,7 @@ def model_card(recipe: MergeRecipe | MoERecipe, plan: Plan, recipe_text: str) ->
                    *(f"| {m.model} | {m.weight:g} |" for m in recipe.models)]
     front = yaml.safe_dump(
         {"base_model": list(dict.fromkeys(bases)), "library_name": "transformers",
-         "tags": ["moemerge", "merge", *(["moe"] if isinstance(recipe, MoERecipe) else [])]},
+         "tags": ["moemerge", "merge", *([] if isinstance(recipe, MergeRecipe) else ["moe"])]},
         sort_keys=False,
     )
     size = sum(j.nbytes for j in plan.jobs) / 2**20

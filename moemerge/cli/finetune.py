@@ -58,7 +58,8 @@ def finetune(
     keep_checkpoints: Annotated[Optional[int], Opt(help="Checkpoints kept [2].")] = None,  # noqa: UP045
     resume: Annotated[bool, Opt("--resume", help="Continue from the latest checkpoint.")] = False,
     force: Annotated[bool, Opt("--force", help="Replace OUT if it exists.")] = False,
-    fsdp: Annotated[bool, Opt("--fsdp", help="Shard the model (not supported yet).")] = False,
+    fsdp: Annotated[bool, Opt("--fsdp", help="Under torchrun: shard parameters, gradients "
+                              "and optimizer states over the processes (FSDP), not DDP.")] = False,
     trust_remote_code: Annotated[bool, Opt("--trust-remote-code")] = False,
     quiet: Annotated[bool, Opt("--quiet", "-q", help="No tables or progress bar.")] = False,
 ) -> None:

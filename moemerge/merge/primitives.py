@@ -98,3 +98,15 @@ def generator_for(seed: int, name: str) -> torch.Generator:
     whatever the order in which tensors are made or how many threads make them."""
     digest = hashlib.sha256(f"{seed}\x00{name}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def zero_pad(tensor: Tensor, shape: Sequence[int]) -> Tensor:
+    """`tensor` zero-padded at the end of each axis to `shape` (unchanged when it fits exactly):
+    a narrower expert's [V, d_i] embedding becomes [V, d_m] with zeros in columns d_i..d_m."""
+    if tuple(tensor.shape) == tuple(shape):
+        return tensor
+    if tensor.dim() != len(shape) or any(a > b for a, b in zip(tensor.shape, shape, strict=True)):
+        raise ValueError(f"cannot zero-pad a tensor of shape {list(tensor.shape)} to {list(shape)}")
+    out = tensor.new_zeros(shape)
+    out[tuple(slice(0, n) for n in tensor.shape)] = tensor
+    return out

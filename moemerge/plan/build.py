@@ -26,7 +26,7 @@ def output_dtype(requested: str, base: SourceModel) -> torch.dtype:
     return base.reader.meta(embed).dtype
 
 
-def _write_order(roles: dict[str, TensorRole]) -> list[str]:
+def write_order(roles: dict[str, TensorRole]) -> list[str]:
     """Embeddings first, then layer by layer, then final norm and head: the order loaders read."""
 
     def key(name: str) -> tuple:
@@ -38,16 +38,19 @@ def _write_order(roles: dict[str, TensorRole]) -> list[str]:
     return sorted(roles, key=key)
 
 
-def _merge_job(
-    name: str, role: TensorRole, shape, dtype, spec, merged: list[int], weights, base: int | None
+def merge_job(
+    name: str, role: str, layer: int | None, shape, dtype, spec, merged: list[int], weights,
+    base: int | None, *, output: str | None = None,
 ) -> Job:
-    params = resolve_merge(spec, role.role, role.layer)
+    """Output tensor `output` (default `name`) from the tensors `name` of the models `merged`."""
+    output = output or name
+    params = resolve_merge(spec, role, layer)
     if params.method == "base":
-        return Job(name, shape, dtype, "copy", role.role, role.layer, (Source(base, name),))
+        return Job(output, shape, dtype, "copy", role, layer, (Source(base, name),))
     if len(merged) == 1 and params.method == "average":
-        return Job(name, shape, dtype, "copy", role.role, role.layer, (Source(merged[0], name),))
+        return Job(output, shape, dtype, "copy", role, layer, (Source(merged[0], name),))
     return Job(
-        name, shape, dtype, "merge", role.role, role.layer,
+        output, shape, dtype, "merge", role, layer,
         sources=tuple(Source(m, name) for m in merged),
         # average never reads the base: reading it anyway would cost one more model's I/O
         base=Source(base, name) if base is not None and params.method != "average" else None,
@@ -65,9 +68,9 @@ def plan_merge(recipe: MergeRecipe, models: list[SourceModel]) -> Plan:
     dtype = output_dtype(recipe.output.dtype, ref)
     weights = [m.weight for m in recipe.models]
     jobs = [
-        _merge_job(name, ref.roles[name], ref.reader.meta(name).shape, dtype, recipe.merge,
-                   merged, weights, base)
-        for name in _write_order(ref.roles)
+        merge_job(name, ref.roles[name].role, ref.roles[name].layer, ref.reader.meta(name).shape,
+                  dtype, recipe.merge, merged, weights, base)
+        for name in write_order(ref.roles)
     ]
     return Plan([m.label for m in models], jobs, dense_config(ref.config, dtype))
 
@@ -87,20 +90,22 @@ def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:
 
     jobs: list[Job] = []
     layers_done: set[int] = set()
-    for name in _write_order(base.roles):
+    for name in write_order(base.roles):
         role = base.roles[name]
         shape = base.reader.meta(name).shape
         if role.role != "ffn":
-            jobs.append(_merge_job(name, role, shape, dtype, recipe.merge, experts, weights, 0))
+            jobs.append(merge_job(name, role.role, role.layer, shape, dtype, recipe.merge, experts,
+                                  weights, 0))
             continue
         layer = role.layer
         if layer not in layers_done:  # the router and shared-expert stubs, once per layer
             layers_done.add(layer)
             gates = [n for n, r in base.roles.items() if r.layer == layer and r.proj == "gate"]
+            reads = recipe.router.init == "task_vector"  # the other inits read no tensor
             jobs.append(Job(
                 layout.router_name(layer), (len(ffn_owners), hidden), dtype, "router", "router",
-                layer, sources=tuple(Source(m, gates[0]) for m in ffn_owners),
-                base=Source(0, gates[0]), router_init=recipe.router.init,
+                layer, sources=tuple(Source(m, gates[0]) for m in ffn_owners) if reads else (),
+                base=Source(0, gates[0]) if reads else None, router_init=recipe.router.init,
             ))
             for pattern, dims in layout.shared_expert.items():
                 shape_ = tuple({"hidden": hidden, "shared": 1}.get(d, d) for d in dims)

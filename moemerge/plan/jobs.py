@@ -9,7 +9,7 @@ import torch
 
 from moemerge.plan.params import ResolvedMerge
 
-JobKind = Literal["copy", "merge", "router", "zeros"]
+JobKind = Literal["copy", "merge", "router", "zeros", "identity", "random"]
 
 
 @dataclass(frozen=True)
@@ -24,10 +24,14 @@ class Source:
 class Job:
     """How one output tensor is made.
 
-    copy:   sources[0], cast.          merge:  `merge` over sources, with `base` as reference.
-    router: a router weight [E, H] for `layer`; sources are the experts' gate projections and
-            base is the base's (used by the task_vector init).
-    zeros:  an all-zero tensor (e.g. Qwen2-MoE's disabled shared expert).
+    copy:     sources[0], cast.
+    merge:    `merge` over sources, with `base` as reference; sources narrower than the output
+              (bridged experts) are zero-padded to its shape first.
+    router:   a router weight [E, H]; sources are the experts' gate projections (token routers,
+              base = the base's, for the task_vector init) or embeddings (sequence routers).
+    zeros:    an all-zero tensor (e.g. Qwen2-MoE's disabled shared expert).
+    identity: ones on the main diagonal (a projector that selects or zero-pads coordinates).
+    random:   N(0, std²), seeded from (recipe seed, output name).
     """
 
     output: str
@@ -41,6 +45,7 @@ class Job:
     weights: tuple[float, ...] = ()
     merge: ResolvedMerge | None = None
     router_init: str | None = None
+    std: float | None = None  # kind random
 
     @property
     def nbytes(self) -> int:
@@ -73,6 +78,8 @@ class Plan:
             how = f"{job.merge.describe()} of [{models}]{base}"
         elif job.kind == "router":
             how = f"router init={job.router_init}"
+        elif job.kind == "random":
+            how = f"random std={job.std:g}"
         else:
-            how = "zeros"
+            how = job.kind
         return how

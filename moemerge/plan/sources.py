@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,8 +57,10 @@ def open_sources(
     *,
     allow_pickle: bool,
     stack: ExitStack,
+    check: Callable[[list[SourceModel]], None] | None = None,
 ) -> list[SourceModel]:
-    """Open every (label, ref) model; the readers are closed by `stack`."""
+    """Open every (label, ref) model; the readers are closed by `stack`. `check` (default
+    check_compatible: one architecture, same shapes) says whether they can be combined."""
     models = []
     for label, ref in refs:
         path = resolve_ref(ref, recipe_dir)
@@ -74,7 +77,7 @@ def open_sources(
                 )
             roles[name] = role
         models.append(SourceModel(label, path, reader, family, roles))
-    check_compatible(models)
+    (check or check_compatible)(models)
     return models
 
 
@@ -130,6 +133,19 @@ def vocab_fingerprint(path: Path) -> str | None:
     data = json.loads(file.read_text())
     payload = json.dumps([data.get("model"), data.get("added_tokens")], sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def check_shared_vocabulary(models: list[SourceModel]) -> None:
+    """Bridged experts may differ in width, depth and family, but token ids must line up."""
+    ref = models[0]
+    for other in models[1:]:
+        a, b = ref.config.get("vocab_size"), other.config.get("vocab_size")
+        if a != b:
+            raise MismatchError(
+                f"different vocabularies: vocab_size is {a} in {ref.where()} but {b} in "
+                f"{other.where()}. Bridged experts share one embedding and head, so they need "
+                "one tokenizer; moemerge has no vocabulary mapping to bridge two tokenizers")
+        _check_vocab(ref, other)
 
 
 def _check_vocab(ref: SourceModel, other: SourceModel) -> None:

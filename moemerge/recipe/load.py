@@ -3,19 +3,40 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import yaml
-from pydantic import TypeAdapter, ValidationError
+from pydantic import Discriminator, Tag, TypeAdapter, ValidationError
 
 from moemerge.errors import RecipeError
-from moemerge.recipe.models import MergeRecipe, MoERecipe, Recipe
+from moemerge.recipe.models import MergeRecipe, MoERecipe
+from moemerge.recipe.sequence import BridgedRecipe, SeqRoutedRecipe
 
+AnyRecipe = MergeRecipe | MoERecipe | SeqRoutedRecipe | BridgedRecipe
+ASSEMBLIES = ("token_routed", "seq_routed", "bridged")
+
+
+def _recipe_tag(value) -> str | None:
+    """'merge', 'moe' (token_routed, the default assembly) or 'moe:<assembly>'."""
+    data = value if isinstance(value, dict) else vars(value)
+    kind = data.get("kind")
+    assembly = data.get("assembly", "token_routed")
+    return kind if kind != "moe" or assembly == "token_routed" else f"moe:{assembly}"
+
+
+Recipe = Annotated[
+    Annotated[MergeRecipe, Tag("merge")] | Annotated[MoERecipe, Tag("moe")]
+    | Annotated[SeqRoutedRecipe, Tag("moe:seq_routed")]
+    | Annotated[BridgedRecipe, Tag("moe:bridged")],
+    Discriminator(_recipe_tag),
+]
 _ADAPTER: TypeAdapter = TypeAdapter(Recipe)
+_TAGS = ("merge", "moe", "moe:seq_routed", "moe:bridged")
 
 
 def _field_path(loc: tuple) -> str:
-    # pydantic puts the discriminator value ('moe'/'merge') first in a union's location
-    if loc and loc[0] in ("moe", "merge"):
+    # pydantic puts the discriminator value ('moe', 'merge', ...) first in a union's location
+    if loc and loc[0] in _TAGS:
         loc = loc[1:]
     return ".".join(str(p) for p in loc)
 
@@ -34,7 +55,11 @@ def _describe(err: dict) -> str:
     if err["type"] == "extra_forbidden":
         return f"{field}: unknown field (misspelt, or not valid here)"
     if err["type"] == "union_tag_invalid":
-        return f"kind: must be 'merge' or 'moe', got {err['input'].get('kind')!r}"
+        data = err["input"]
+        if data.get("kind") == "moe":
+            return (f"assembly: must be one of {', '.join(ASSEMBLIES)}, got "
+                    f"{data.get('assembly')!r}")
+        return f"kind: must be 'merge' or 'moe', got {data.get('kind')!r}"
     if err["type"] == "union_tag_not_found":
         return "kind: missing; say 'kind: merge' (dense merge) or 'kind: moe'"
     msg = err["msg"].removeprefix("Value error, ")
@@ -42,7 +67,7 @@ def _describe(err: dict) -> str:
     return f"{field}: {msg}" if field else msg
 
 
-def parse_recipe(data: object, source: str = "<recipe>") -> MergeRecipe | MoERecipe:
+def parse_recipe(data: object, source: str = "<recipe>") -> AnyRecipe:
     errors = recipe_errors(data)
     if errors:
         noun = "error" if len(errors) == 1 else "errors"
@@ -60,7 +85,7 @@ def load_recipe_data(path: Path) -> object:
         raise RecipeError(f"{path}: not valid YAML: {exc}") from None
 
 
-def load_recipe(path: Path) -> MergeRecipe | MoERecipe:
+def load_recipe(path: Path) -> AnyRecipe:
     """Load and validate a recipe. Relative model paths are resolved against the recipe's dir."""
     path = Path(path)
     recipe = parse_recipe(load_recipe_data(path), str(path))

@@ -5,7 +5,7 @@ No torch import here: a recipe can be validated without loading any tensor libra
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -151,6 +151,3 @@ class MoERecipe(_RecipeBase):
                     "missing for " + ", ".join(missing)
                 )
         return self
-
-
-Recipe = Annotated[MergeRecipe | MoERecipe, Field(discriminator="kind")]

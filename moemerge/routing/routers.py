@@ -1,4 +1,4 @@
-"""Make the router tensor of a plan's router job, whatever the recipe's init."""
+"""Make the router tensor of a plan's router job, whatever the recipe's kind and init."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from moemerge.merge.primitives import zero_pad
 from moemerge.plan.jobs import Job, Source
 from moemerge.recipe.models import MoERecipe
 from moemerge.routing.init import random_router, task_vector_router
@@ -16,7 +17,7 @@ Load = Callable[[Source], torch.Tensor]
 
 
 class RouterFactory:
-    """Built once per build; `make(job, load)` returns the router weight [E, H] in fp32."""
+    """Token routers: built once per build; `make(job, load)` returns a layer's router [E, H]."""
 
     def __init__(self, recipe: MoERecipe, base_dir: Path, base_config: dict, load_base: Callable):
         self.recipe = recipe
@@ -40,3 +41,23 @@ class RouterFactory:
             return task_vector_router(load(job.base), [load(s) for s in job.sources])
         assert self._rows is not None
         return self._rows[job.layer]
+
+
+class SequenceRouterFactory:
+    """The sequence router [N, d_m] of seq_routed / bridged models: it reads the mean token
+    embedding, so the prompts init is each expert's prompts' mean embedding (in the experts'
+    average embedding, zero-padded to d_m), centred across experts, as unit rows."""
+
+    def __init__(self, recipe, tokenizer_dir: Path, config: dict):
+        self.recipe, self.tokenizer_dir = recipe, tokenizer_dir
+        self.std = recipe.router.std or config.get("initializer_range", 0.02)
+
+    def make(self, job: Job, load: Load) -> torch.Tensor:
+        if job.router_init == "random":
+            return random_router(job.shape, self.std, self.recipe.seed, job.output)
+        width = job.shape[1]
+        embeds = [load(s).float() for s in job.sources]  # [V, d_i] each
+        embed = sum(zero_pad(e, (e.shape[0], width)) for e in embeds) / len(embeds)
+        return embed_router_rows(self.tokenizer_dir, self.recipe.experts, embed,
+                                 [torch.ones(width)], include_base=False,
+                                 max_tokens=self.recipe.router.max_prompt_tokens)[0]

@@ -1,4 +1,5 @@
-"""`finetune(config)`: data → model → trainable selection → loop (resumable, DDP) → export."""
+"""`finetune(config)`: data → model → trainable selection → loop (resumable; DDP or FSDP) →
+export."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from rich.console import Console
 
 from moemerge.errors import CheckpointError, OutputError, RecipeError
 from moemerge.io.reader import CheckpointReader
-from moemerge.train import checkpoint, distributed, loop, report
+from moemerge.train import checkpoint, distributed, loop, report, sharding
 from moemerge.train.config import TrainConfig
 from moemerge.train.data import Blocks, collect_texts, make_blocks
 from moemerge.train.export import export, write_json
@@ -30,7 +31,7 @@ class FinetuneResult:
     after: dict[str, dict[str, float]]
     records: list[dict] = field(default_factory=list)  # metrics.jsonl, in memory
     routing: object | None = None  # moemerge.analysis.routing.RoutingReport
-    model: torch.nn.Module | None = None  # the trained model, in memory (fp32)
+    model: torch.nn.Module | None = None  # the trained model, in memory (fp32); FSDP: rank 0
 
 
 def _load(cfg: TrainConfig, device: torch.device):
@@ -53,9 +54,6 @@ def _load(cfg: TrainConfig, device: torch.device):
 
 def _check_outputs(cfg: TrainConfig, ctx: distributed.Dist) -> None:
     out, root = Path(cfg.output), checkpoint.checkpoint_root(Path(cfg.output))
-    if cfg.fsdp:
-        raise RecipeError("--fsdp: not supported yet; train with DDP (torchrun) on devices that "
-                          "each hold the model, or --router-only, which needs far less memory")
     if out.exists() and not cfg.force:
         raise OutputError(f"{out} already exists; pass --force to replace it")
     if root.exists() and not cfg.resume and checkpoint.latest(root) is not None:
@@ -70,7 +68,7 @@ def _check_outputs(cfg: TrainConfig, ctx: distributed.Dist) -> None:
 def finetune(cfg: TrainConfig, *, console: Console | None = None,
              on_step: Callable[[dict], None] | None = None) -> FinetuneResult:
     """Train `cfg.train` parts of the MoE `cfg.model` on `cfg.data` and write `cfg.output`."""
-    ctx = distributed.setup(cfg.device)
+    ctx = distributed.setup(cfg.device, cfg.fsdp)
     try:
         return _finetune(cfg, ctx, console if ctx.main else None, on_step)
     finally:
@@ -83,9 +81,12 @@ def _finetune(cfg, ctx, console, on_step) -> FinetuneResult:
         raise RecipeError(f"batch_size (--batch-size) {cfg.batch_size} must be divisible by "
                           f"{ctx.world} ranks × grad_accum {cfg.grad_accum}")
     texts = collect_texts(cfg.data, cfg.text_field)  # data errors before loading any weights
-    model, tokenizer = _load(cfg, ctx.device)
+    # FSDP: each rank loads the model on the CPU and moves only its shards to the device
+    model, tokenizer = _load(cfg, torch.device("cpu") if ctx.sharded else ctx.device)
     blocks = make_blocks(texts, tokenizer, cfg.seq_len, cfg.eval_fraction)
     names = select_trainable(model, cfg.train, cfg.model)
+    if ctx.sharded:  # replaces the parameters with DTensor shards: look them up after
+        model = sharding.shard_model(model, ctx)
     params = dict(model.named_parameters())
     trainable = [params[n] for n in names]
     steps = cfg.steps or math.ceil(cfg.epochs * len(blocks.train_ids) / cfg.batch_size)
@@ -96,11 +97,15 @@ def _finetune(cfg, ctx, console, on_step) -> FinetuneResult:
         records.append({"type": "eval", "step": 0, "domains": loop.evaluate(model, blocks, ctx)})
     before = records[0]["domains"]
     if console:
-        n = sum(p.numel() for p in trainable)
+        n = sum(p.numel() for p in trainable)  # a DTensor counts its full size
+        how = " (FSDP)" if ctx.sharded else ""
         console.print(f"training {len(names)} tensors ({n:,} parameters: {', '.join(cfg.train)}) "
                       f"on {len(blocks.train_ids)} blocks of {cfg.seq_len} tokens, {steps} steps, "
-                      f"{ctx.world} process(es) on {ctx.device}")
+                      f"{ctx.world} process(es){how} on {ctx.device}")
         console.print(report.eval_table(before, title="held-out loss before training"))
+        if cfg.fsdp and ctx.world == 1:
+            console.print("[yellow]note:[/] --fsdp shards the model over several processes "
+                          "(torchrun --nproc-per-node N); one process trains it unsharded")
 
     def log(record: dict) -> None:
         records.append(record)
@@ -108,12 +113,13 @@ def _finetune(cfg, ctx, console, on_step) -> FinetuneResult:
         if on_step:
             on_step(record)
 
-    def save(step: int) -> None:
+    def save(step: int) -> None:  # on every rank: gathering FSDP shards is a collective
+        trained = sharding.gather({n: params[n] for n in names}, keep=ctx.main)
+        optimizer = sharding.gather_optimizer_state(optim.optimizer.state_dict(), keep=ctx.main)
         if ctx.main:
-            state = {"fingerprint": cfg.fingerprint(), "records": records,
-                     "trainable": {n: params[n].detach().cpu().clone() for n in names},
-                     "optimizer": optim.optimizer.state_dict(),
-                     "scheduler": optim.scheduler.state_dict(), "rng": checkpoint.rng_state()}
+            state = {"fingerprint": cfg.fingerprint(), "records": records, "trainable": trained,
+                     "optimizer": optimizer, "scheduler": optim.scheduler.state_dict(),
+                     "rng": checkpoint.rng_state()}
             checkpoint.save(checkpoint.checkpoint_root(Path(cfg.output)), step, state,
                             cfg.keep_checkpoints)
         distributed.barrier(ctx)
@@ -124,6 +130,8 @@ def _finetune(cfg, ctx, console, on_step) -> FinetuneResult:
                  on_step=log, save=save, bare=model)
     after = loop.evaluate(model, blocks, ctx)
     records.append({"type": "eval", "step": steps, "domains": after})
+    if ctx.sharded:
+        model = _unsharded(cfg, params, names, ctx)
     result = FinetuneResult(Path(cfg.output), steps, names, before, after, records, model=model)
     if ctx.main:
         if console:
@@ -143,16 +151,33 @@ def _resume(cfg, params, optim, console) -> tuple[list[dict], int]:
         if console:
             console.print("[yellow]note:[/] --resume: no checkpoint yet; starting afresh")
         return [], 0
-    state = checkpoint.load(found, cfg.fingerprint())
+    state = checkpoint.load(found, cfg.fingerprint())  # full tensors, also under FSDP
     with torch.no_grad():
         for name, value in state["trainable"].items():
-            params[name].copy_(value)
-    optim.optimizer.load_state_dict(state["optimizer"])
+            params[name].copy_(sharding.shard_like(value, params[name]))
+    optim.optimizer.load_state_dict(sharding.shard_optimizer_state(state["optimizer"],
+                                                                   optim.optimizer))
     optim.scheduler.load_state_dict(state["scheduler"])
     checkpoint.set_rng_state(state["rng"])
     if console:
         console.print(f"resuming from {found} (step {state['step']})")
     return list(state["records"]), state["step"]
+
+
+def _unsharded(cfg: TrainConfig, params: dict[str, torch.Tensor], names: list[str],
+               ctx: distributed.Dist) -> torch.nn.Module | None:
+    """FSDP: the trained model as a plain one on rank 0, for the export and the reports (which
+    run forwards on rank 0 alone): the source re-read on the CPU, the trained tensors gathered
+    into it. None on the other ranks."""
+    trained = sharding.gather({n: params[n] for n in names}, keep=ctx.main)
+    if not ctx.main:
+        return None
+    model, _ = _load(cfg, torch.device("cpu"))
+    plain = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in trained.items():
+            plain[name].copy_(value)
+    return model
 
 
 def _reports(tmp: Path, cfg: TrainConfig, result: FinetuneResult, blocks: Blocks, tokenizer,

@@ -1,8 +1,9 @@
-"""One process or many: torchrun's environment, the process group, the device, sharding.
+"""One process or many: torchrun's environment, the process group, the device, batch slices.
 
 Under torchrun (WORLD_SIZE > 1) every rank joins a process group (gloo on CPU, nccl on CUDA),
-wraps the model in DistributedDataParallel and takes a disjoint slice of each global batch, so
-N ranks with B/N blocks each compute the same mean gradient as one process with B.
+wraps the model in DistributedDataParallel (or, with --fsdp, shards it: sharding.py) and takes a
+disjoint slice of each global batch, so N ranks with B/N blocks each compute the same mean
+gradient as one process with B.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ class Dist:
     world: int
     local_rank: int
     device: torch.device
+    sharded: bool = False  # --fsdp over several processes (one process trains unsharded)
 
     @property
     def main(self) -> bool:
         return self.rank == 0
 
 
-def setup(device: str) -> Dist:
+def setup(device: str, fsdp: bool = False) -> Dist:
     """Read torchrun's env, pick the device, and join the process group when world > 1."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -44,12 +46,13 @@ def setup(device: str) -> Dist:
         dev = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    return Dist(rank, world, local_rank, dev)
+    return Dist(rank, world, local_rank, dev, sharded=fsdp and world > 1)
 
 
 def wrap(model: torch.nn.Module, ctx: Dist) -> torch.nn.Module:
-    """DDP over the trainable parameters when world > 1 (frozen ones are not synchronised)."""
-    if ctx.world == 1:
+    """DDP over the trainable parameters when world > 1 (frozen ones are not synchronised);
+    a sharded model is returned as it is."""
+    if ctx.world == 1 or ctx.sharded:
         return model
     from torch.nn.parallel import DistributedDataParallel
 

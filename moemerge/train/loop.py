@@ -3,8 +3,8 @@ gradient accumulation and clipping, autocast on CUDA, per-domain evaluation.
 
 Loss = mean next-token cross-entropy over the step's blocks (+ aux_loss_coef × the Switch
 load-balancing loss transformers returns with output_router_logits). Each micro-batch's loss is
-divided by grad_accum, and DDP averages over ranks, so the gradient is the global-batch mean
-whatever the split into ranks and micro-batches.
+divided by grad_accum, and DDP (or FSDP's reduce-scatter) averages over ranks, so the gradient is
+the global-batch mean whatever the split into ranks and micro-batches.
 """
 
 from __future__ import annotations
@@ -72,7 +72,12 @@ def train_step(model, optim: Optim, blocks: Blocks, step: int, cfg: TrainConfig,
     lm_sum = 0.0
     for i, ids in enumerate(micro):
         last = i == len(micro) - 1
-        sync = model.no_sync() if ctx.world > 1 and not last else nullcontext()
+        # DDP all-reduces only the last micro-batch. FSDP reduce-scatters each one into the
+        # sharded gradients: skipping that (set_requires_gradient_sync(False)) would keep the
+        # unsharded gradients, as large as all trainable parameters (--full: the whole model),
+        # on every rank until the last, which is the memory --fsdp exists to save.
+        unsynced = ctx.world > 1 and not ctx.sharded and not last
+        sync = model.no_sync() if unsynced else nullcontext()
         with sync:
             total, lm = _loss(model, blocks.tokens[ids], cfg.aux_loss_coef, ctx)
             (total / cfg.grad_accum).backward()
@@ -90,22 +95,33 @@ def train_step(model, optim: Optim, blocks: Blocks, step: int, cfg: TrainConfig,
             "grad_norm": float(norm), "tokens": tokens, "tokens_per_s": tokens / seconds}
 
 
+def _nll(model, block: torch.Tensor, ctx: Dist) -> torch.Tensor:
+    """Per-token next-token loss [b, T] of blocks [b, T + 1]."""
+    block = block.to(ctx.device)
+    with _autocast(ctx):
+        logits = model(input_ids=block[:, :-1]).logits.float()  # [b, T, V]
+    return F.cross_entropy(logits.transpose(1, 2), block[:, 1:], reduction="none")
+
+
 @torch.no_grad()
 def evaluate(model, blocks: Blocks, ctx: Dist, batch: int = 8) -> dict[str, dict[str, float]]:
     """{domain: {loss, ppl}} on the held-out blocks; each rank scores a strided share and the
-    sums are all-reduced, so every rank gets the same figures."""
+    sums are all-reduced, so every rank gets the same figures. Under FSDP every forward is a
+    collective, so each rank runs as many as the largest share needs, the ones past its own
+    share on a stand-in block whose loss is dropped."""
     was_training = model.training
     model.eval()
     sums = torch.zeros(len(blocks.domains), 2, dtype=torch.float64)  # [D, (nll sum, tokens)]
     mine = blocks.eval_ids[ctx.rank:: ctx.world]
-    for start in range(0, len(mine), batch):
+    largest = -(-len(blocks.eval_ids) // ctx.world) if ctx.sharded else len(mine)
+    for start in range(0, largest, batch):
         ids = mine[start: start + batch]
-        block = blocks.tokens[ids].to(ctx.device)  # [b, T + 1]
-        with _autocast(ctx):
-            logits = model(input_ids=block[:, :-1]).logits.float()  # [b, T, V]
-        nll = F.cross_entropy(logits.transpose(1, 2), block[:, 1:], reduction="none")  # [b, T]
+        if not len(ids):  # FSDP only: this rank's share is done
+            _nll(model, blocks.tokens[blocks.eval_ids[:1]], ctx)
+            continue
+        nll = _nll(model, blocks.tokens[ids], ctx)  # [b, T]
         for d, row in zip(blocks.domain[ids].tolist(), nll.sum(1).tolist(), strict=True):
-            sums[d] += torch.tensor([row, block.shape[1] - 1], dtype=torch.float64)
+            sums[d] += torch.tensor([row, nll.shape[1]], dtype=torch.float64)
     sums = all_sum(sums, ctx)
     model.train(was_training)
     return {d: {"loss": (s[0] / s[1]).item(), "ppl": math.exp((s[0] / s[1]).item())}
@@ -116,8 +132,9 @@ def run(model, optim: Optim, blocks: Blocks, cfg: TrainConfig, ctx: Dist, *, sta
         steps: int, trainable: list[torch.nn.Parameter],
         on_step: Callable[[dict], None], save: Callable[[int], None],
         bare: torch.nn.Module) -> None:
-    """Steps start..steps-1; `on_step` gets every metrics record, `save(step)` checkpoints.
-    `bare` is the model without DDP, for evaluation (ranks may score unequal shares)."""
+    """Steps start..steps-1; `on_step` gets every metrics record, `save(step)` checkpoints
+    (on every rank). `bare` is the model without DDP, for evaluation (ranks may score unequal
+    shares); under FSDP it is the sharded model itself."""
     model.train()
     for step in range(start, steps):
         on_step(train_step(model, optim, blocks, step, cfg, ctx, trainable))

@@ -35,8 +35,8 @@ def test_not_an_moe(model_factory, tmp_path):
     assert code == 1 and "is not an MoE" in text and "no router to train" in text
     code, text = run(dense, tmp_path / "o", *common, "--router-only", "--full")
     assert code == 2 and "only one of" in text
-    code, text = run(dense, tmp_path / "o", *common, "--fsdp")
-    assert code == 2 and "not supported yet" in text
+    code, text = run(dense, tmp_path / "o", *common, "--fsdp")  # accepted: one process, unsharded
+    assert code == 1 and "is not an MoE" in text
 
 
 def test_existing_output_and_bad_config(model_factory, tmp_path):

@@ -1,0 +1,21 @@
+"""The modeling code of moemerge's own MoE kinds, copied next to the weights.
+
+config.json's `auto_map` names these files, so `AutoModelForCausalLM.from_pretrained(out,
+trust_remote_code=True)` loads the model with no moemerge installed. They are copied from the
+installed package (moemerge/modeling/), the same code moemerge's tests run.
+"""
+
+from __future__ import annotations
+
+import shutil
+from importlib import resources
+from pathlib import Path
+
+MODELING_FILES = ("configuration_moemerge.py", "routing_moemerge.py", "modeling_moemerge.py")
+
+
+def copy_modeling_code(directory: Path) -> None:
+    package = resources.files("moemerge.modeling")
+    for name in MODELING_FILES:
+        with resources.as_file(package.joinpath(name)) as source:
+            shutil.copyfile(source, directory / name)

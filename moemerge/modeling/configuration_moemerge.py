@@ -1,0 +1,116 @@
+"""Configuration of moemerge's sequence-routed MoE kinds (shipped next to the weights).
+
+One config for both kinds:
+- `seq_routed`: N homogeneous experts, each keeping its whole decoder stack (attention and FFN
+  from the same expert); embeddings and head merged (shared) or kept per expert.
+- `bridged`: N heterogeneous experts (other widths, depths or families) behind a shared
+  embedding and head of width d_m = the widest expert's; per expert a proj-in (d_m → d_i) and a
+  proj-out (d_i → d_m).
+One routing decision per sequence (`router`: learned, perplexity or task_vector), top
+`num_experts_per_seq` experts, their outputs mixed by the routing weights (`mix`).
+
+This file is copied verbatim into every output directory: it imports only transformers.
+"""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+ASSEMBLIES = ("seq_routed", "bridged")
+ROUTERS = ("learned", "perplexity", "task_vector")
+MIXES = ("logits", "hidden")
+
+
+class MoemergeConfig(PretrainedConfig):
+    r"""
+    Args:
+        assembly: "seq_routed" or "bridged".
+        experts: each expert's dense config (a config.json dict with its `model_type`).
+        expert_names: display names, one per expert.
+        base: the base model's dense config when the checkpoint keeps the base (`base.*`
+            tensors) for task-vector routing, else None.
+        vocab_size, hidden_size: the shared vocabulary and d_m (the widest expert's width).
+        shared_embeddings / shared_lm_head: one merged embedding / head (`embed_tokens`,
+            `lm_head`), or one per expert (`experts.{i}.model.embed_tokens`,
+            `experts.{i}.lm_head`). Bridged experts always share both.
+        projector_hidden_size: width of the MLP branch of each projector (bridged only);
+            0 makes projectors plain linear maps.
+        router: "learned" (a linear router on the mean token embedding), "perplexity"
+            (softmax over the top-k 1/PPL of each expert on the sequence) or "task_vector"
+            (cosine between the base model's descent direction on the sequence and each
+            expert's task vector; needs `base`).
+        num_experts_per_seq: k, the experts each sequence goes to.
+        mix: "logits" mixes the experts' next-token distributions; "hidden" mixes their final
+            hidden states (d_m) before the shared head.
+        routing_temperature: softmax temperature over the top-k routing scores.
+        task_vector_params: substrings naming the expert/base parameters whose task vectors
+            the task_vector router compares (default: every decoder-layer parameter).
+    """
+
+    model_type = "moemerge"
+
+    def __init__(
+        self,
+        assembly: str = "seq_routed",
+        experts: list[dict] | None = None,
+        expert_names: list[str] | None = None,
+        base: dict | None = None,
+        vocab_size: int = 0,
+        hidden_size: int = 0,
+        shared_embeddings: bool = True,
+        shared_lm_head: bool = True,
+        projector_hidden_size: int = 0,
+        router: str = "learned",
+        num_experts_per_seq: int = 1,
+        mix: str = "logits",
+        routing_temperature: float = 1.0,
+        task_vector_params: list[str] | None = None,
+        use_cache: bool = True,
+        **kwargs,
+    ):
+        self.assembly = assembly
+        self.experts = list(experts or [])
+        self.expert_names = list(expert_names or [f"expert_{i}" for i in range(len(self.experts))])
+        self.base = base
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.shared_embeddings = shared_embeddings or assembly == "bridged"
+        self.shared_lm_head = shared_lm_head or assembly == "bridged"
+        self.projector_hidden_size = projector_hidden_size
+        self.router = router
+        self.num_experts_per_seq = num_experts_per_seq
+        self.mix = mix
+        self.routing_temperature = routing_temperature
+        self.task_vector_params = list(task_vector_params or ["layers."])
+        self.use_cache = use_cache
+        kwargs.setdefault("tie_word_embeddings", False)
+        super().__init__(**kwargs)
+        if self.experts:  # an empty config is what transformers builds to read defaults
+            self.check()
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.experts)
+
+    def check(self) -> None:
+        """Raise ValueError naming the field when the settings cannot work together."""
+        problems = []
+        if self.assembly not in ASSEMBLIES:
+            problems.append(f"assembly: {self.assembly!r} is not one of {ASSEMBLIES}")
+        if self.router not in ROUTERS:
+            problems.append(f"router: {self.router!r} is not one of {ROUTERS}")
+        if self.mix not in MIXES:
+            problems.append(f"mix: {self.mix!r} is not one of {MIXES}")
+        if not 1 <= self.num_experts_per_seq <= self.num_experts:
+            problems.append(f"num_experts_per_seq: {self.num_experts_per_seq} is not between 1 "
+                            f"and the number of experts ({self.num_experts})")
+        if self.mix == "hidden" and not self.shared_lm_head:
+            problems.append("mix: 'hidden' mixes hidden states before one shared head, but "
+                            "shared_lm_head is false")
+        if self.router == "task_vector" and self.base is None:
+            problems.append("router: 'task_vector' needs the base model (config.base), which "
+                            "this checkpoint does not keep")
+        if self.routing_temperature <= 0:
+            problems.append(f"routing_temperature: {self.routing_temperature} must be > 0")
+        if problems:
+            raise ValueError("; ".join(problems))
