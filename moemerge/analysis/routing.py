@@ -1,4 +1,4 @@
-"""Routing report of a token-routed MoE: which experts each domain's tokens are sent to.
+"""Routing report of an MoE: which experts each domain's tokens (or sequences) are sent to.
 
 Forward hooks on every router (`…mlp.gate`, the module whose weight is [num_experts, hidden])
 read its logits, take the top-k (k = config `num_experts_per_tok`) and count, per layer, how
@@ -7,6 +7,10 @@ uniform routing gives every expert 1/E. The top-k is taken here from the logits 
 softmax(logits)), so it does not depend on what the gate returns: logits alone (transformers 4)
 or (logits, scores, indices) (transformers 5). The forward passes are those of
 `moemerge.eval.perplexity`, so one pass per window gives both the routing and the perplexity.
+
+moemerge's sequence-routed kinds (seq_routed, bridged) route each window as a whole: the report
+has one row ("sequence" level) counting, per expert, the windows among whose top k it is, read
+from the model output's routing_weights [B, N].
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import yaml
 from moemerge.analysis.data import load_domain_texts
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.eval.perplexity import perplexity
+from moemerge.modeling import is_sequence_routed, register
 
 SCHEMA = "moemerge.routing/1"  # bump when a key changes meaning or disappears (docs/inspect.md)
 RECIPE_COPY = "moemerge_recipe.yaml"  # written next to the weights by `moemerge build`
@@ -30,7 +35,7 @@ RECIPE_COPY = "moemerge_recipe.yaml"  # written next to the weights by `moemerge
 
 @dataclass
 class DomainRouting:
-    tokens: int  # token positions routed (per layer)
+    tokens: int  # units routed: token positions (per layer), or windows at sequence level
     perplexity: float
     share: list[list[float]]  # [layer][expert]: fraction of the layer's token slots
 
@@ -47,10 +52,12 @@ class RoutingReport:
     labels: list[str]  # one per expert, in the checkpoint's expert order
     layers: list[int]  # indices of the layers that have a router
     domains: dict[str, DomainRouting] = field(default_factory=dict)
+    level: str = "token"  # "sequence" for seq_routed / bridged: one row, slots per window
 
     def to_dict(self) -> dict:
         return {
-            "schema": SCHEMA, "model": self.model, "experts_per_token": self.experts_per_token,
+            "schema": SCHEMA, "model": self.model, "level": self.level,
+            "experts_per_token": self.experts_per_token,
             "num_experts": len(self.labels), "experts": self.labels, "layers": self.layers,
             "domains": {
                 name: {"tokens": d.tokens, "perplexity": d.perplexity, "share": d.share,
@@ -64,7 +71,10 @@ class RoutingReport:
 
 
 def moe_shape(config, where: str) -> tuple[int, int]:
-    """(num_experts, experts_per_token) of an MoE config; CheckpointError for a dense one."""
+    """(num_experts, experts per token or per sequence) of an MoE config; CheckpointError for
+    a dense one."""
+    if is_sequence_routed(config):
+        return len(config.experts), int(config.num_experts_per_seq)
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     k = getattr(config, "num_experts_per_tok", None)
     if not experts or not k:
@@ -105,7 +115,8 @@ def routing_report(
     through an already-loaded MoE; shares per (domain, layer, expert) and perplexity.
     `labels` name the experts (numbered when absent or of the wrong length)."""
     num_experts, k = moe_shape(model.config, name or type(model).__name__)
-    routers = find_routers(model, num_experts)
+    sequence = is_sequence_routed(model.config)
+    routers = [(0, model)] if sequence else find_routers(model, num_experts)
     if not routers:
         raise CheckpointError(f"{name or type(model).__name__}: not an MoE (no router modules "
                               f"with {num_experts} outputs found)")
@@ -115,12 +126,16 @@ def routing_report(
 
     def hook(row: int):
         def record(module, args, output) -> None:
+            if sequence:  # the experts with weight in each window's routing: [B, N]
+                counts[row] += (output.routing_weights > 0).sum(0).cpu()
+                return
             logits = output[0] if isinstance(output, tuple) else output  # [..., experts]
             chosen = logits.reshape(-1, num_experts).topk(k, dim=-1).indices  # [tokens, k]
             counts[row] += torch.bincount(chosen.flatten().cpu(), minlength=num_experts)
         return record
 
-    report = RoutingReport(name, k, list(labels), [layer for layer, _ in routers])
+    report = RoutingReport(name, k, list(labels), [layer for layer, _ in routers],
+                           level="sequence" if sequence else "token")
     handles = [m.register_forward_hook(hook(row)) for row, (_, m) in enumerate(routers)]
     was_training = model.training
     try:
@@ -144,6 +159,9 @@ def expert_labels(model_dir: Path, num_experts: int) -> list[str]:
     """Expert names from the recipe copy `build` left in `model_dir` (the expert's `name`, else
     its directory's name; "base" last with include_base_expert), else "expert 0..N-1"."""
     default = [f"expert {e}" for e in range(num_experts)]
+    config = _read_config(model_dir)
+    if is_sequence_routed(config) and len(config.get("expert_names") or []) == num_experts:
+        return list(config["expert_names"])
     try:
         recipe = yaml.safe_load((model_dir / RECIPE_COPY).read_text())
         experts = recipe["experts"]
@@ -159,19 +177,29 @@ def expert_labels(model_dir: Path, num_experts: int) -> list[str]:
     return labels if len(labels) == num_experts else default
 
 
-def load_moe(model_dir: Path):
-    """(model, tokenizer) of a local MoE checkpoint in fp32; clear errors for the wrong kind."""
+def _read_config(model_dir: Path) -> dict:
+    try:
+        return json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def load_moe(model_dir: Path, **overrides):
+    """(model, tokenizer) of a local MoE checkpoint in fp32; clear errors for the wrong kind.
+    `overrides` replace config fields (e.g. router="perplexity" for a sequence-routed model)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     if not (model_dir / "config.json").is_file():
         raise CheckpointError(f"{model_dir}: no config.json; give a model directory")
+    register()  # moemerge's own kinds load with the installed code, not the model dir's
     try:
         moe_shape(AutoConfig.from_pretrained(model_dir), str(model_dir))  # before any weights
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
         try:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                         **overrides)
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
         finally:
             if bars:

@@ -17,18 +17,22 @@ def _shares(values: list[float]) -> list[str]:
 
 def _title(report: RoutingReport, what: str) -> str:
     n = len(report.labels)
-    return (f"routing: share of token slots per expert, {what} (top-{report.experts_per_token} "
-            f"of {n}; uniform = {1 / n:.1%})")
+    return (f"routing: share of {report.level} slots per expert{what} (top-"
+            f"{report.experts_per_token} of {n}; uniform = {1 / n:.1%})")
+
+
+def _units(report: RoutingReport) -> str:
+    return "tokens" if report.level == "token" else "sequences"
 
 
 def summary_table(report: RoutingReport) -> Table:
     """Rows = domains; columns = each expert's share averaged over layers, tokens, perplexity."""
-    table = Table(title=_title(report, f"mean over {len(report.layers)} layers"),
-                  title_justify="left")
+    over = f", mean over {len(report.layers)} layers" if report.level == "token" else ""
+    table = Table(title=_title(report, over), title_justify="left")
     table.add_column("domain")
     for label in report.labels:
         table.add_column(label, justify="right")
-    table.add_column("tokens", justify="right")
+    table.add_column(_units(report), justify="right")
     table.add_column("perplexity", justify="right")
     for name, d in report.domains.items():
         table.add_row(name, *_shares(d.mean_share), str(d.tokens), f"{d.perplexity:.2f}")
@@ -37,7 +41,7 @@ def summary_table(report: RoutingReport) -> Table:
 
 def layer_table(report: RoutingReport) -> Table:
     """Rows = (domain, layer); columns = each expert's share in that layer."""
-    table = Table(title=_title(report, "per layer"), title_justify="left")
+    table = Table(title=_title(report, ", per layer"), title_justify="left")
     table.add_column("domain")
     table.add_column("layer", justify="right")
     for label in report.labels:
@@ -67,7 +71,8 @@ def plot(report: RoutingReport, path: Path) -> None:
     bars.axhline(1 / n, color="grey", linestyle="--", linewidth=0.8)
     bars.set_xticks(range(n), labels, rotation=45, ha="right", fontsize=7)
     bars.set_xlabel("expert", fontsize=8)
-    bars.set_ylabel("share of token slots (mean over layers)", fontsize=8)
+    bars.set_ylabel(f"share of {report.level} slots"
+                    + (" (mean over layers)" if report.level == "token" else ""), fontsize=8)
     bars.legend(fontsize=7, title="domain", title_fontsize=7)
     image = None
     for ax, name in zip(axes[1:], domains, strict=True):
@@ -75,15 +80,17 @@ def plot(report: RoutingReport, path: Path) -> None:
         image = ax.imshow(grid, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
         ax.set_title(name, fontsize=8)
         ax.set_xticks(range(n), labels, rotation=45, ha="right", fontsize=7)
-        ax.set_yticks(range(len(layers)), [str(layer) for layer in layers], fontsize=7)
+        rows = [str(layer) for layer in layers] if report.level == "token" else ["sequence"]
+        ax.set_yticks(range(len(layers)), rows, fontsize=7)
         if len(layers) * n <= 150:  # annotate only while the numbers stay legible
             for y, row in enumerate(grid):
                 for x, value in enumerate(row):
                     ax.text(x, y, f"{value:.0%}", ha="center", va="center", fontsize=6,
                             color="black" if value > 0.6 else "white")
     if domains:
-        axes[1].set_ylabel("layer", fontsize=8)
-        fig.colorbar(image, ax=list(axes[1:]), label="share of token slots", shrink=0.9)
+        axes[1].set_ylabel("layer" if report.level == "token" else "", fontsize=8)
+        fig.colorbar(image, ax=list(axes[1:]), label=f"share of {report.level} slots",
+                     shrink=0.9)
     fig.suptitle(f"routing of {report.model} (top-{report.experts_per_token} of {n})",
                  fontsize=8)
     fig.savefig(path, dpi=120)

@@ -53,7 +53,8 @@ def perplexity_scores(nll: torch.Tensor) -> torch.Tensor:
 
 
 def _dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
-    """Σ over parameter lists of the elementwise products, : a flat dot product (float64: g·W_e − g·W_base cancels)."""
+    """The dot product of two parameter lists seen as flat vectors, in float64 (g·W_e − g·W_base
+    subtracts two large numbers)."""
     return sum((x.double() * y.double()).sum() for x, y in zip(a, b, strict=True))
 
 

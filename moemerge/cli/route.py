@@ -1,0 +1,85 @@
+"""`moemerge route`: the experts a sequence-routed MoE picks for each prompt."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from moemerge.cli.app import app, err, out, reports_errors
+
+PREVIEW = 60  # characters of each prompt shown in the table
+
+
+@app.command()
+@reports_errors
+def route(
+    model: Annotated[Path, typer.Argument(help="A seq_routed or bridged model directory.",
+                                          show_default=False)],
+    prompts: Annotated[list[Path], typer.Argument(
+        help="Text files (see --split) or .jsonl files (one prompt per record).",
+        show_default=False)],
+    router: Annotated[
+        Optional[str],  # noqa: UP045 - typer needs Optional on 3.10
+        typer.Option(help="Route with this instead of the model's own router: learned, "
+                     "perplexity, or task_vector (needs a model built with it)."),
+    ] = None,
+    k: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option("-k", "--experts-per-sequence", help="Route each prompt to this many "
+                     "experts instead of the model's own k.", min=1),
+    ] = None,
+    split: Annotated[
+        str, typer.Option(help="Text files: one prompt per 'line', per blank-line "
+                          "'paragraph', or per 'file'.")
+    ] = "line",
+    text_field: Annotated[str, typer.Option(help="JSONL: the prompt's field.")] = "text",
+    max_tokens: Annotated[int, typer.Option(help="Tokens of each prompt routed on.",
+                                            min=1)] = 2048,
+    json_path: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option("--json", help="Write the routing as JSON to this file ('-': stdout)."),
+    ] = None,
+) -> None:
+    """Print, for each prompt, the experts it is routed to and their weights.
+
+    The routing is the one generate() makes on a prompt and keeps for every generated token:
+    learned (router on the mean token embedding), perplexity (one forward per expert, weights
+    softmax over the top-k 1/PPL) or task_vector (one forward and backward of the base).
+    """
+    from rich.table import Table
+
+    from moemerge.analysis.route import read_prompts, route_prompts
+    from moemerge.errors import RecipeError
+
+    if split not in ("line", "paragraph", "file"):
+        raise RecipeError(f"--split: must be line, paragraph or file, got {split!r}")
+    if router is not None and router not in ("learned", "perplexity", "task_vector"):
+        raise RecipeError(f"--router: must be learned, perplexity or task_vector, got {router!r}")
+    texts = read_prompts(prompts, split=split, text_field=text_field)
+    report = route_prompts(model, texts, router=router, k=k, max_tokens=max_tokens)
+
+    table = Table(title=f"routing of {len(texts)} prompts by {report.router} routing "
+                  f"(top-{report.experts_per_sequence} of {len(report.experts)})",
+                  title_justify="left")
+    table.add_column("#", justify="right")
+    table.add_column("prompt")
+    table.add_column("tokens", justify="right")
+    table.add_column("experts (weight)")
+    for i, p in enumerate(report.prompts):
+        preview = p.text.replace("\n", "⏎")
+        preview = preview if len(preview) <= PREVIEW else preview[: PREVIEW - 1] + "…"
+        table.add_row(str(i), preview, str(p.tokens),
+                      ", ".join(f"{e['name']} ({e['weight']:.2f})" for e in p.experts))
+    console = err if json_path == "-" else out  # keep stdout pure JSON with --json -
+    console.print(table)
+    counts = {name: sum(p.experts[0]["name"] == name for p in report.prompts)
+              for name in report.experts}
+    console.print("first choice: " + ", ".join(f"{n} {c}" for n, c in counts.items()),
+                  highlight=False)
+    if json_path == "-":
+        sys.stdout.write(report.to_json())
+    elif json_path is not None:
+        Path(json_path).write_text(report.to_json())
