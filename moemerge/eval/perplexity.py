@@ -36,25 +36,43 @@ def perplexity(
     seq_len: int = 128,
     max_tokens: int | None = 20000,
     batch_size: int = 8,
+    prompt_tokens: int = 0,
 ) -> float:
-    """exp(mean next-token NLL) of `model` on `text`, using at most `max_tokens` tokens."""
+    """exp(mean next-token NLL) of `model` on `text`, using at most `max_tokens` tokens.
+
+    With `prompt_tokens` P, each window is read as generation would: a forward on its first P
+    tokens (a prompt; sequence-routed models make their routing decision there), then one on the
+    rest with the KV cache; only the tokens after the prompt are scored, for every model alike.
+    """
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     ids = torch.tensor(ids[:max_tokens] if max_tokens else ids, dtype=torch.long)
-    if len(ids) < 2:
-        raise ValueError("perplexity needs a text of at least 2 tokens")
+    if len(ids) < 2 + prompt_tokens:
+        raise ValueError(f"perplexity needs a text of at least {2 + prompt_tokens} tokens")
     model.eval()
     device = next(model.parameters()).device
-    windows = _windows(ids, seq_len)
+    windows = [w for w in _windows(ids, seq_len) if len(w) >= 2 + prompt_tokens]
     total_nll, total_tokens = 0.0, 0
     for start in range(0, len(windows), batch_size):
         chunk = windows[start : start + batch_size]
         for length in sorted({len(w) for w in chunk}):  # the short last window runs alone
             batch = torch.stack([w for w in chunk if len(w) == length]).to(device)  # [B, T + 1]
-            logits = model(input_ids=batch[:, :-1]).logits.float()  # [B, T, V]
-            nll = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
+            logits = _next_token_logits(model, batch[:, :-1], prompt_tokens)  # [B, T - P, V]
+            targets = batch[:, 1 + prompt_tokens:]
+            nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
             total_nll += nll.item()
-            total_tokens += batch[:, 1:].numel()
+            total_tokens += targets.numel()
     return math.exp(total_nll / total_tokens)
+
+
+def _next_token_logits(model, ids: torch.Tensor, prompt: int) -> torch.Tensor:
+    """Logits [B, T - prompt, V] at positions prompt..T-1 of ids [B, T]: they predict the
+    tokens after ids[:, prompt] (the first token after the prompt conditions, unscored)."""
+    if not prompt:
+        return model(input_ids=ids).logits.float()
+    first = model(input_ids=ids[:, :prompt], use_cache=True)
+    rest = model(input_ids=ids[:, prompt:], past_key_values=first.past_key_values,
+                 use_cache=True)
+    return rest.logits.float()
 
 
 def _load(ref: ModelRef, tokenizer):

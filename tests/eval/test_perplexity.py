@@ -44,6 +44,18 @@ def test_matches_one_manual_forward(model_dir, tok):
     )
 
 
+def test_prompt_tokens_score_only_the_continuation_through_the_cache(model_dir, tok):
+    """Prompt forward, then the rest with the KV cache: the same NLL as one full forward
+    restricted to the tokens after ids[prompt]."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.tensor(tok(TEXT, add_special_tokens=False)["input_ids"])
+    with torch.no_grad():
+        logits = model(input_ids=ids[None, :-1]).logits[0]
+    oracle = math.exp(F.cross_entropy(logits[5:], ids[6:]).item())
+    ours = perplexity(model, tok, TEXT, seq_len=len(ids), prompt_tokens=5)
+    assert ours == pytest.approx(oracle, rel=1e-5)
+
+
 def test_uniform_logits_give_the_vocabulary_size(model_dir, tok):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():

@@ -7,6 +7,7 @@ import pytest
 from moemerge.errors import RecipeError
 from moemerge.recipe.load import load_recipe, parse_recipe, recipe_errors
 from moemerge.recipe.models import MergeRecipe, MoERecipe
+from moemerge.recipe.sequence import BridgedRecipe, SeqRoutedRecipe
 
 REPO = Path(__file__).resolve().parents[2]
 MOE = {
@@ -92,3 +93,35 @@ def test_there_are_bundled_recipes():
 @pytest.mark.parametrize("path", BUNDLED, ids=lambda p: p.name)
 def test_every_bundled_recipe_validates(path):
     load_recipe(path)
+
+
+SEQ = {"kind": "moe", "assembly": "seq_routed", "experts": ["a", {"model": "b", "name": "bee"}]}
+BRIDGED = {**SEQ, "assembly": "bridged"}
+
+
+def test_sequence_kinds_take_their_defaults():
+    seq, bridged = parse_recipe(SEQ), parse_recipe(BRIDGED)
+    assert isinstance(seq, SeqRoutedRecipe) and isinstance(bridged, BridgedRecipe)
+    assert (seq.experts_per_sequence, seq.router.kind, seq.mix, seq.per_expert) == (
+        1, "learned", "logits", [])
+    assert (bridged.mix, bridged.projectors.init, bridged.projectors.hidden_size) == (
+        "hidden", "identity", 0)
+
+
+@pytest.mark.parametrize("data, message", [
+    ({**SEQ, "assembly": "sequence"}, "assembly: must be one of token_routed, seq_routed, bridged"),
+    ({**SEQ, "experts_per_sequence": 3}, "experts_per_sequence: 3 is larger than the number"),
+    ({**SEQ, "router": {"kind": "task_vector"}}, "base_model: router kind 'task_vector' needs"),
+    ({**SEQ, "merge": {"method": "ties"}}, "base_model: merge method(s) ties need a base_model"),
+    ({**SEQ, "merge": {"overrides": [{"roles": ["attn"], "method": "average"}]}},
+     "merge.overrides: role(s) attn are never merged in seq_routed"),
+    ({**SEQ, "mix": "hidden", "per_expert": ["lm_head"]}, "mix: 'hidden' mixes hidden states"),
+    ({**SEQ, "router": {"init": "prompts"}}, "router.init: 'prompts' needs positive_prompts"),
+    ({**BRIDGED, "router": {"kind": "task_vector"}}, "router.kind: 'task_vector' needs experts"),
+    ({**BRIDGED, "tokenizer": "cee"}, "tokenizer: 'cee' is not an expert's name"),
+    ({**BRIDGED, "base_model": "x"}, "base_model: unknown field"),
+    ({**BRIDGED, "projectors": {"init": "eye"}}, "projectors.init"),
+])
+def test_sequence_kind_errors_name_their_field(data, message):
+    errors = recipe_errors(data)
+    assert any(message in e for e in errors), errors
