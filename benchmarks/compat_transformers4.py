@@ -1,5 +1,8 @@
 """Do transformers 4 and 5 compute the same logits from a moemerge output?
 
+Every output kind: token-routed MoEs of each family, and the seq_routed / bridged kinds through
+the modeling code shipped next to their weights (trust_remote_code).
+
 transformers 5 reads `rope_parameters`, transformers 4 reads `rope_theta`; an output that only
 one of them understands loads in the other with the MoE class's defaults (Mixtral: rope_theta
 1e6) and silently gives other logits. This builds an MoE from perturbed experts for every source
@@ -27,7 +30,8 @@ RESULTS = Path(__file__).parent / "results"
 LOGITS = r"""
 import sys, torch, transformers
 from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32).eval()
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32,
+                                             trust_remote_code=True).eval()
 ids = torch.load(sys.argv[2])
 with torch.no_grad():
     torch.save(model(input_ids=ids).logits, sys.argv[3])
@@ -41,16 +45,18 @@ def logits_in(python: str, model: Path, ids: Path, out: Path) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
-def build_moe(root: Path, family: str) -> Path:
+def build_moe(root: Path, family: str, kind: str = "token_routed") -> Path:
     from safetensors.torch import load_file, save_file
 
     from moemerge.api import build
     from moemerge.toy.experts import make_random_model
 
-    base = make_random_model(family, root / f"{family}-base", hidden=64, layers=2, vocab=256)
+    root = root / f"{family}-{kind}"
+    root.mkdir()
+    base = make_random_model(family, root / "base", hidden=64, layers=2, vocab=256)
     experts = []
     for e in range(2):
-        expert = root / f"{family}-e{e}"
+        expert = root / f"e{e}"
         expert.mkdir()
         (expert / "config.json").write_bytes((base / "config.json").read_bytes())
         gen = torch.Generator().manual_seed(e)
@@ -58,11 +64,21 @@ def build_moe(root: Path, family: str) -> Path:
                    for n, t in load_file(base / "model.safetensors").items()}
         save_file(tensors, expert / "model.safetensors", metadata={"format": "pt"})
         experts.append(expert)
-    recipe = root / f"{family}.yaml"
-    recipe.write_text(f"kind: moe\nbase_model: {base}\nexperts: [{experts[0]}, {experts[1]}]\n"
-                      "experts_per_token: 1\nrouter: {init: task_vector}\n")
-    build(recipe, root / f"{family}-moe", progress=False)
-    return root / f"{family}-moe"
+    settings = {
+        "token_routed": f"base_model: {base}\nexperts_per_token: 1\nrouter: {{init: task_vector}}",
+        "seq_routed": f"base_model: {base}\nexperts_per_sequence: 2\nrouter: {{kind: "
+                      "task_vector}",
+        # a narrower Qwen2 next to the first expert, bridged by identity projectors
+        "bridged": "experts_per_sequence: 2\nprojectors: {hidden_size: 16}",
+    }[kind]
+    if kind == "bridged":
+        experts[1] = make_random_model("qwen2", root / "narrow", hidden=32, layers=3,
+                                       vocab=256)
+    recipe = root / "recipe.yaml"
+    recipe.write_text(f"kind: moe\nassembly: {kind}\nexperts: [{experts[0]}, {experts[1]}]\n"
+                      f"{settings}\n")
+    build(recipe, root / "moe", progress=False)
+    return root / "moe"
 
 
 def main() -> None:
@@ -74,18 +90,22 @@ def main() -> None:
         root = Path(tmp)
         ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
         torch.save(ids, root / "ids.pt")
-        for family in ("llama", "mistral", "qwen2", "qwen3"):
-            moe = build_moe(root, family)
+        cases = [(f, "token_routed") for f in ("llama", "mistral", "qwen2", "qwen3")]
+        cases += [("qwen3", "seq_routed"), ("llama", "bridged")]
+        for family, kind in cases:
+            moe = build_moe(root, family, kind)
             v5 = logits_in(sys.executable, moe, root / "ids.pt", root / "v5.pt")
             v4 = logits_in(opts.python, moe, root / "ids.pt", root / "v4.pt")
             diff = (torch.load(root / "v5.pt") - torch.load(root / "v4.pt")).abs().max().item()
-            arch = json.loads((moe / "config.json").read_text())["architectures"][0]
+            config = json.loads((moe / "config.json").read_text())
+            arch = config["architectures"][0] + (f" ({config['assembly']})"
+                                                 if "assembly" in config else "")
             rows.append({"family": family, "output": arch, "transformers_5": v5,
                          "transformers_4": v4, "max_abs_diff": diff})
         # control: the same llama MoE with a transformers-5 style config (rope_parameters, no
         # rope_theta) is what a careless writer produces; transformers 4 must disagree with it
         control = root / "control"
-        shutil.copytree(root / "llama-moe", control)
+        shutil.copytree(root / "llama-token_routed" / "moe", control)
         config = json.loads((control / "config.json").read_text())
         config["rope_parameters"] = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
         config.pop("rope_scaling", None)
