@@ -5,8 +5,10 @@ workdir/
   toy/                 base/, experts/<domain>/, data/<domain>.eval.txt (copied from the cache)
   toy_moe.yaml         the bundled recipes, next to toy/ so their relative paths resolve
   toy_merge.yaml
+  toy_seq_routed.yaml
   moe/                 the built Mixtral (Branch-Train-Mix)
   merged/              the dense TIES merge of the same experts, for comparison
+  seq/                 the sequence-routed MoE (task-vector routing, no router training)
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from moemerge.errors import OutputError, RecipeError
 from moemerge.io.atomic import atomic_output_dir
 
 MARKER = ".moemerge-demo"
-RECIPES = {"moe": "toy_moe.yaml", "merged": "toy_merge.yaml"}
+RECIPES = {"moe": "toy_moe.yaml", "merged": "toy_merge.yaml", "seq": "toy_seq_routed.yaml"}
+PROMPT_TOKENS = 32  # each window: a prompt (sequence-routed models route on it), then the rest
 
 
 def preset_spec(name: str):
@@ -62,7 +65,7 @@ def _claim_workdir(workdir: Path) -> None:
 
 
 def run_demo(workdir: Path, *, preset_name: str = "demo", console: Console | None = None) -> Table:
-    """Make the toy experts, build both bundled recipes, return the perplexity table."""
+    """Make the toy experts, build the bundled recipes, return the perplexity table."""
     from moemerge.api import build
     from moemerge.eval.perplexity import perplexity_table, render_table
 
@@ -79,11 +82,13 @@ def run_demo(workdir: Path, *, preset_name: str = "demo", console: Console | Non
         build(recipe, workdir / output, force=True, progress=console.is_terminal)
         built[output] = workdir / output
         console.print(f"  built {workdir / output} from {recipe_name}")
-    console.print("[bold]3/3[/] perplexity on held-out text of each domain (lower is better)")
+    console.print(f"[bold]3/3[/] perplexity on held-out text of each domain (lower is better; "
+                  f"each window's first {PROMPT_TOKENS} tokens are its prompt, not scored)")
     toy = workdir / "toy"
     models = {"base": toy / "base"}
     models |= {f"expert:{d}": toy / "experts" / d for d in toyset.experts}
-    models |= {"merge (ties)": built["merged"], "moe (btx)": built["moe"]}
+    models |= {"merge (ties)": built["merged"], "moe (btx)": built["moe"],
+               "moe (seq_routed)": built["seq"]}
     texts = {d: (toy / "data" / f"{d}.eval.txt").read_text() for d in toyset.experts}
-    table = perplexity_table(models, texts, seq_len=spec.seq_len)
+    table = perplexity_table(models, texts, seq_len=spec.seq_len, prompt_tokens=PROMPT_TOKENS)
     return render_table(table, title=f"perplexity per domain ({workdir})")

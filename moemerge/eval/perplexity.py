@@ -81,6 +81,9 @@ def _load(ref: ModelRef, tokenizer):
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
+        from moemerge.modeling import register
+
+        register()  # moemerge's own MoE kinds, with the installed modeling code
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # a "Loading weights" bar per model only adds noise
         try:

@@ -7,16 +7,18 @@ from typer.testing import CliRunner
 from moemerge.cli import app
 
 
-def test_demo_builds_both_bundled_recipes_and_prints_perplexities(tmp_path, monkeypatch):
+def test_demo_builds_the_bundled_recipes_and_prints_perplexities(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEMERGE_CACHE", str(tmp_path / "cache"))
     workdir = tmp_path / "demo"
     result = CliRunner().invoke(app, ["demo", "--preset", "tiny", "--workdir", str(workdir)])
     assert result.exit_code == 0, result.output
-    for row in ("base", "expert:code", "expert:prose", "expert:math", "merge (ties)", "moe (btx)"):
+    for row in ("base", "expert:code", "expert:prose", "expert:math", "merge (ties)", "moe (btx)",
+                "moe (seq_routed)"):
         assert row in result.output
     config = json.loads((workdir / "moe" / "config.json").read_text())
     assert config["architectures"] == ["MixtralForCausalLM"] and config["num_local_experts"] == 3
     assert (workdir / "merged" / "model.safetensors").is_file()
+    assert json.loads((workdir / "seq" / "config.json").read_text())["assembly"] == "seq_routed"
 
     # a second run reuses the cached experts and replaces its own outputs
     again = CliRunner().invoke(app, ["demo", "--preset", "tiny", "--workdir", str(workdir)])
