@@ -17,9 +17,11 @@ from moemerge.io.atomic import atomic_output_dir, copy_side_files
 from moemerge.io.writer import ShardedWriter, parse_size
 from moemerge.plan.build import plan_merge, plan_token_routed
 from moemerge.plan.jobs import Plan, Source
+from moemerge.plan.merged import plan_merged_experts
 from moemerge.plan.sequence import plan_bridged, plan_seq_routed
 from moemerge.plan.sources import SourceModel, check_shared_vocabulary, open_sources
 from moemerge.recipe.load import AnyRecipe, load_recipe
+from moemerge.recipe.merged import MergedExpertsRecipe
 from moemerge.recipe.models import MergeRecipe, MoERecipe
 from moemerge.recipe.sequence import BridgedRecipe, SeqRoutedRecipe
 
@@ -43,6 +45,8 @@ def _labelled_refs(recipe: AnyRecipe) -> list[tuple[str, object]]:
     refs = []
     if getattr(recipe, "base_model", None) is not None:
         refs.append(("base", recipe.base_model))
+    if getattr(recipe, "reference", None) is not None:
+        refs.append(("reference", recipe.reference))
     inputs = recipe.models if isinstance(recipe, MergeRecipe) else recipe.experts
     for ref in inputs:
         label = getattr(ref, "name", None) or Path(ref.model.rstrip("/")).name
@@ -58,6 +62,8 @@ def make_plan(recipe: AnyRecipe, models: list[SourceModel]) -> Plan:
         return plan_seq_routed(recipe, models)
     if isinstance(recipe, BridgedRecipe):
         return plan_bridged(recipe, models)
+    if isinstance(recipe, MergedExpertsRecipe):
+        return plan_merged_experts(recipe, models)
     return plan_token_routed(recipe, models)
 
 
@@ -111,7 +117,8 @@ def build(
         def load(source: Source):
             return models[source.model].reader.read(source.tensor)
 
-        make_router = None if isinstance(recipe, MergeRecipe) else _router_maker(recipe, models)
+        make_router = (None if isinstance(recipe, MergeRecipe | MergedExpertsRecipe)
+                       else _router_maker(recipe, models))
         remote_code = "auto_map" in plan.config
 
         with atomic_output_dir(out, force=force) as tmp:

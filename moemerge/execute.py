@@ -27,8 +27,8 @@ def compute(job: Job, load: Load, make_router: MakeRouter | None, seed: int) -> 
         out = load(job.sources[0])
     elif job.kind == "zeros":
         out = torch.zeros(job.shape)
-    elif job.kind == "identity":
-        out = torch.eye(*job.shape)
+    elif job.kind == "identity":  # [..., r, c]: an identity matrix in every leading slot
+        out = torch.eye(*job.shape[-2:]).expand(job.shape)
     elif job.kind == "random":
         out = torch.randn(job.shape, generator=generator_for(seed, job.output)) * job.std
     elif job.kind == "router":

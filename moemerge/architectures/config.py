@@ -92,3 +92,22 @@ def sequence_config(assembly: str, experts: list[dict], names: list[str], *, dty
     config.update(settings, torch_dtype=dtype_name(dtype), tie_word_embeddings=False,
                   use_cache=True)
     return config
+
+
+MERGED_AUTO_MAP = {
+    "AutoConfig": "configuration_moemerge.MoemergeMergedConfig",
+    "AutoModelForCausalLM": "modeling_merged_moemerge.MoemergeMergedForCausalLM",
+}
+
+
+def merged_config(base: dict, names: list[str], *, dtype: torch.dtype, **settings) -> dict:
+    """config.json of a merged-experts model (configuration_moemerge.MoemergeMergedConfig): the
+    base's dense config kept whole, plus the merging settings."""
+    config = {"architectures": ["MoemergeMergedForCausalLM"], "model_type": "moemerge_merged",
+              "auto_map": dict(MERGED_AUTO_MAP), "base": dense_config(base, dtype),
+              "num_experts": len(names), "expert_names": names}
+    config.update({k: base[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                        *TOKEN_KEYS) if k in base})
+    config.update(settings, torch_dtype=dtype_name(dtype), tie_word_embeddings=False,
+                  use_cache=True)
+    return config

@@ -6,12 +6,12 @@ import yaml
 
 from moemerge import __version__
 from moemerge.plan.jobs import Plan
+from moemerge.recipe.merged import MergedExpertsRecipe
 from moemerge.recipe.models import MergeRecipe, MoERecipe
 from moemerge.recipe.sequence import BridgedRecipe, SeqRoutedRecipe
 
 USAGE = ("Load it with `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`: "
-         "the modeling code (`modeling_moemerge.py` and its two companions) is next to the "
-         "weights. Override the routing at load time, e.g. `router=\"perplexity\"`.")
+         "the modeling code (`*_moemerge.py`) is next to the weights.")
 
 
 def _sequence_card(recipe: SeqRoutedRecipe | BridgedRecipe, plan: Plan):
@@ -29,14 +29,30 @@ def _sequence_card(recipe: SeqRoutedRecipe | BridgedRecipe, plan: Plan):
         *(f"| {i} | {name} | `{e.model}` | {w} | {c['num_hidden_layers']} |"
           for i, (name, e, w, c) in enumerate(zip(config["expert_names"], recipe.experts, widths,
                                                   config["experts"], strict=True))),
-        "", USAGE,
+        "", USAGE + " Override the routing at load time, e.g. `router=\"perplexity\"`.",
     ]
+    return bases, what, details
+
+
+def _merged_card(recipe: MergedExpertsRecipe):
+    bases = [recipe.base_model.model, *(e.model for e in recipe.experts)]
+    curvature = (f"Kronecker curvature of rank {recipe.curvature.rank}"
+                 if recipe.curvature.kind == "kronecker" else "no curvature (SMEAR / Lory)")
+    what = (f"a merged-experts MoE: every FFN is, per segment of {recipe.segment_length} tokens, "
+            f"the router-weighted merge of {len(recipe.experts)} experts' FFNs around "
+            f"`{(recipe.reference or recipe.base_model).model}`, with {curvature}, mask "
+            f"`{recipe.mask.kind}`, α = {recipe.alpha:g}" + (", dynamic" if recipe.dynamic else ""))
+    details = ["| expert | name | FFN from |", "|---|---|---|",
+               *(f"| {i} | {e.name or ''} | `{e.model}` |" for i, e in enumerate(recipe.experts)),
+               "", USAGE]
     return bases, what, details
 
 
 def model_card(recipe, plan: Plan, recipe_text: str) -> str:
     if isinstance(recipe, SeqRoutedRecipe | BridgedRecipe):
         bases, what, details = _sequence_card(recipe, plan)
+    elif isinstance(recipe, MergedExpertsRecipe):
+        bases, what, details = _merged_card(recipe)
     elif isinstance(recipe, MoERecipe):
         bases = [recipe.base_model.model, *(e.model for e in recipe.experts)]
         experts = [(e.name or "", e.model) for e in recipe.experts]

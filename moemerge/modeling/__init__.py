@@ -1,4 +1,5 @@
-"""Modeling code of the MoE kinds transformers has no class for (seq_routed, bridged).
+"""Modeling code of the MoE kinds transformers has no class for (seq_routed, bridged,
+merged_experts).
 
 The other files here are shipped next to the weights and loaded by transformers with
 trust_remote_code; they import nothing from moemerge. moemerge's own commands call `register()`
@@ -10,6 +11,7 @@ from __future__ import annotations
 from functools import cache
 
 MODEL_TYPE = "moemerge"
+MERGED_MODEL_TYPE = "moemerge_merged"
 
 
 @cache
@@ -17,11 +19,15 @@ def register() -> None:
     """Make AutoConfig / AutoModelForCausalLM know model_type 'moemerge' (idempotent)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from moemerge.modeling.configuration_moemerge import MoemergeConfig
+    from moemerge.modeling.configuration_moemerge import MoemergeConfig, MoemergeMergedConfig
+    from moemerge.modeling.modeling_merged_moemerge import MoemergeMergedForCausalLM
     from moemerge.modeling.modeling_moemerge import MoemergeForCausalLM
 
-    AutoConfig.register(MODEL_TYPE, MoemergeConfig, exist_ok=True)
-    AutoModelForCausalLM.register(MoemergeConfig, MoemergeForCausalLM, exist_ok=True)
+    for model_type, config, model in ((MODEL_TYPE, MoemergeConfig, MoemergeForCausalLM),
+                                      (MERGED_MODEL_TYPE, MoemergeMergedConfig,
+                                       MoemergeMergedForCausalLM)):
+        AutoConfig.register(model_type, config, exist_ok=True)
+        AutoModelForCausalLM.register(config, model, exist_ok=True)
 
 
 def is_sequence_routed(config) -> bool:

@@ -114,3 +114,64 @@ class MoemergeConfig(PretrainedConfig):
             problems.append(f"routing_temperature: {self.routing_temperature} must be > 0")
         if problems:
             raise ValueError("; ".join(problems))
+
+
+CURVATURES = ("none", "kronecker")
+MASKS = ("none", "ties", "dare")
+
+
+class MoemergeMergedConfig(PretrainedConfig):
+    r"""Merged-experts MoE (SMEAR / Lory / CAMEx): a dense model (`base`, its config.json dict)
+    whose every FFN is, per segment of `segment_length` tokens, the merge
+    W = E_m + α Σ_i s_i · mask_i ⊙ M_i(τ_i) of a reference FFN E_m and `num_experts` expert FFNs.
+
+    Args:
+        base: the dense config of the backbone (attention, norms, embeddings, head).
+        num_experts, expert_names: the experts.
+        segment_length: T; segment k is routed by the mean hidden state of segment k − 1.
+        alpha: α.
+        curvature: "none" (M = I: plain soft merging) or "kronecker" (rank `curvature_rank`).
+        mask: "none", "ties" (entries agreeing with the elected sign of the M_i τ_i) or "dare"
+            (in training, drop whole experts per segment with probability `dare_p`).
+        dynamic: E_m of layer l + 1 is E_m^l + α · mean_i M_i τ_i^l (the paper's α/(N − 1) Σ,
+            its N counting the base expert); only layer 0 stores an E_m.
+    """
+
+    model_type = "moemerge_merged"
+
+    def __init__(self, base: dict | None = None, num_experts: int = 0,
+                 expert_names: list[str] | None = None, segment_length: int = 64,
+                 alpha: float = 1.0, curvature: str = "none", curvature_rank: int = 1,
+                 mask: str = "none", dare_p: float = 0.1, dynamic: bool = False,
+                 use_cache: bool = True, **kwargs):
+        self.base = base
+        self.num_experts = num_experts
+        self.expert_names = list(expert_names or [f"expert_{i}" for i in range(num_experts)])
+        self.segment_length = segment_length
+        self.alpha = alpha
+        self.curvature = curvature
+        self.curvature_rank = curvature_rank
+        self.mask = mask
+        self.dare_p = dare_p
+        self.dynamic = dynamic
+        self.use_cache = use_cache
+        if base:
+            for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
+                kwargs.setdefault(key, base.get(key))
+        kwargs.setdefault("tie_word_embeddings", False)
+        super().__init__(**kwargs)
+        if base:
+            self.check()
+
+    def check(self) -> None:
+        problems = []
+        if self.curvature not in CURVATURES:
+            problems.append(f"curvature: {self.curvature!r} is not one of {CURVATURES}")
+        if self.mask not in MASKS:
+            problems.append(f"mask: {self.mask!r} is not one of {MASKS}")
+        if self.segment_length < 1 or self.curvature_rank < 1:
+            problems.append("segment_length and curvature_rank must be at least 1")
+        if not 0 <= self.dare_p < 1:
+            problems.append(f"dare_p: {self.dare_p} is not in [0, 1)")
+        if problems:
+            raise ValueError("; ".join(problems))

@@ -122,9 +122,11 @@ class ExpertStack(nn.Module):
                 out.past_key_values)
 
 
-class MoemergePreTrainedModel(PreTrainedModel):
-    config_class = MoemergeConfig
-    base_model_prefix = "moemerge"
+class MoemergeModel:
+    """What moemerge's model classes share (mixed in before PreTrainedModel): strict loading
+    (a checkpoint that does not fit its config, e.g. a projector or expert of another width or
+    a missing tensor, is an error naming the tensors), attention backends, weight init."""
+
     _supports_sdpa = True
     _supports_flash_attn = True
     _supports_attention_backend = True
@@ -132,10 +134,34 @@ class MoemergePreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         std = getattr(self.config, "initializer_range", 0.02)
-        if isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear | nn.Embedding):
             module.weight.normal_(0.0, std)
-        elif isinstance(module, nn.Embedding):
-            module.weight.normal_(0.0, std)
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # forward builds its own cache (routing state next to the KV caches)
+
+    @classmethod
+    def from_pretrained(cls, *args, output_loading_info: bool = False,
+                        ignore_mismatched_sizes: bool = False, **kwargs):
+        model, info = super().from_pretrained(*args, output_loading_info=True,
+                                              ignore_mismatched_sizes=True, **kwargs)
+        if ignore_mismatched_sizes:
+            info = {**info, "mismatched_keys": []}
+        problems = [f"{kind.replace('_', ' ')}: {', '.join(map(_describe_key, keys[:4]))}"
+                    + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+                    for kind, found in sorted(info.items())
+                    if kind in ("missing_keys", "mismatched_keys", "unexpected_keys")
+                    and (keys := sorted(found))]
+        if problems:
+            raise ValueError(f"{args[0] if args else 'the checkpoint'} does not fit its "
+                             f"config.json: {'; '.join(problems)}")
+        return (model, info) if output_loading_info else model
+
+
+class MoemergePreTrainedModel(MoemergeModel, PreTrainedModel):
+    config_class = MoemergeConfig
+    base_model_prefix = "moemerge"
 
 
 class MoemergeForCausalLM(MoemergePreTrainedModel, GenerationMixin):
@@ -153,29 +179,6 @@ class MoemergeForCausalLM(MoemergePreTrainedModel, GenerationMixin):
             self.base = AutoModelForCausalLM.from_config(dense_config(config.base, attn))
         self._scorer = None
         self.post_init()
-
-    @classmethod
-    def from_pretrained(cls, *args, output_loading_info: bool = False,
-                        ignore_mismatched_sizes: bool = False, **kwargs):
-        """As transformers', but a checkpoint that does not fit its config (a projector or
-        expert of another width, a missing tensor) is an error that names the tensors."""
-        model, info = super().from_pretrained(*args, output_loading_info=True,
-                                              ignore_mismatched_sizes=True, **kwargs)
-        if ignore_mismatched_sizes:
-            info = {**info, "mismatched_keys": []}
-        problems = [f"{kind.replace('_', ' ')}: {', '.join(map(_describe_key, keys[:4]))}"
-                    + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
-                    for kind, found in sorted(info.items())
-                    if kind in ("missing_keys", "mismatched_keys", "unexpected_keys")
-                    and (keys := sorted(found))]
-        if problems:
-            raise ValueError(f"{args[0] if args else 'the checkpoint'} does not fit its "
-                             f"config.json: {'; '.join(problems)}")
-        return (model, info) if output_loading_info else model
-
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        return False  # forward builds its own RoutedCache: one KV cache per chosen expert
 
     def get_input_embeddings(self):
         return self.embed_tokens if self.embed_tokens is not None else \

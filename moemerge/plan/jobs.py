@@ -30,7 +30,8 @@ class Job:
     router:   a router weight [E, H]; sources are the experts' gate projections (token routers,
               base = the base's, for the task_vector init) or embeddings (sequence routers).
     zeros:    an all-zero tensor (e.g. Qwen2-MoE's disabled shared expert).
-    identity: ones on the main diagonal (a projector that selects or zero-pads coordinates).
+    identity: ones on the main diagonal of the last two axes (a projector that selects or
+              zero-pads coordinates; curvature factors that start at the identity).
     random:   N(0, std²), seeded from (recipe seed, output name).
     """
 

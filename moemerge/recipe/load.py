@@ -9,11 +9,12 @@ import yaml
 from pydantic import Discriminator, Tag, TypeAdapter, ValidationError
 
 from moemerge.errors import RecipeError
+from moemerge.recipe.merged import MergedExpertsRecipe
 from moemerge.recipe.models import MergeRecipe, MoERecipe
 from moemerge.recipe.sequence import BridgedRecipe, SeqRoutedRecipe
 
-AnyRecipe = MergeRecipe | MoERecipe | SeqRoutedRecipe | BridgedRecipe
-ASSEMBLIES = ("token_routed", "seq_routed", "bridged")
+AnyRecipe = MergeRecipe | MoERecipe | SeqRoutedRecipe | BridgedRecipe | MergedExpertsRecipe
+ASSEMBLIES = ("token_routed", "seq_routed", "bridged", "merged_experts")
 
 
 def _recipe_tag(value) -> str | None:
@@ -27,11 +28,12 @@ def _recipe_tag(value) -> str | None:
 Recipe = Annotated[
     Annotated[MergeRecipe, Tag("merge")] | Annotated[MoERecipe, Tag("moe")]
     | Annotated[SeqRoutedRecipe, Tag("moe:seq_routed")]
-    | Annotated[BridgedRecipe, Tag("moe:bridged")],
+    | Annotated[BridgedRecipe, Tag("moe:bridged")]
+    | Annotated[MergedExpertsRecipe, Tag("moe:merged_experts")],
     Discriminator(_recipe_tag),
 ]
 _ADAPTER: TypeAdapter = TypeAdapter(Recipe)
-_TAGS = ("merge", "moe", "moe:seq_routed", "moe:bridged")
+_TAGS = ("merge", "moe", "moe:seq_routed", "moe:bridged", "moe:merged_experts")
 
 
 def _field_path(loc: tuple) -> str:

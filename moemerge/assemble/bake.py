@@ -1,0 +1,66 @@
+"""`moemerge export`: fold a merged-experts model's curvature into its experts.
+
+E'_i = E_m + M_i τ_i for every layer and projection (E_m the layer's reference, the carried one
+in a dynamic model), then the curvature tensors are dropped and config.json says curvature
+"none": the exported model computes the same outputs (TIES-CA masks are elected from M_i τ_i,
+which is exactly the exported τ'_i) and needs no curvature at inference.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from moemerge.errors import CheckpointError, RecipeError
+from moemerge.io.atomic import atomic_output_dir, copy_side_files
+from moemerge.io.reader import CheckpointReader
+from moemerge.io.writer import ShardedWriter
+
+CURVATURE = ".mlp.curvature."
+KEEP = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+        "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+        "generation_config.json", "moemerge_recipe.yaml")
+
+
+def bake_curvature(model_dir: Path, out: Path, *, force: bool = False,
+                   max_shard_bytes: int = 5 * 10**9) -> list[str]:
+    """Write the baked model to `out` (atomically); return the names of the baked tensors."""
+    from transformers import AutoModelForCausalLM
+
+    from moemerge.assemble.remote_code import copy_modeling_code
+    from moemerge.modeling import MERGED_MODEL_TYPE, register
+
+    model_dir, out = Path(model_dir), Path(out)
+    config = _read_config(model_dir)
+    if config.get("model_type") != MERGED_MODEL_TYPE:
+        raise RecipeError(f"{model_dir}: not a merged-experts model (model_type "
+                          f"{config.get('model_type')!r}); only those have curvature to export")
+    if config.get("curvature") == "none":
+        raise RecipeError(f"{model_dir}: has no curvature (curvature: none); nothing to bake")
+    register()
+    with CheckpointReader(model_dir) as reader:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        baked = model.baked_experts()
+        names = [n for n in reader.names() if CURVATURE not in n]
+        planned = [(n, reader.meta(n).dtype, reader.meta(n).shape) for n in names]
+        with atomic_output_dir(out, force=force) as tmp:
+            with ShardedWriter(tmp, planned, max_shard_bytes=max_shard_bytes) as writer:
+                for name, dtype, _ in planned:
+                    tensor = baked[name] if name in baked else reader.read(name)
+                    writer.write(name, tensor.to(dtype).contiguous())
+            (tmp / "config.json").write_text(json.dumps({**config, "curvature": "none"},
+                                                        indent=2) + "\n")
+            copy_side_files(model_dir, tmp, KEEP)
+            copy_modeling_code(tmp)
+    return sorted(baked)
+
+
+def _read_config(model_dir: Path) -> dict:
+    try:
+        return json.loads((model_dir / "config.json").read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{model_dir}: no config.json; give a model directory") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{model_dir}/config.json: not valid JSON: {exc}") from None

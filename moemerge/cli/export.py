@@ -1,0 +1,31 @@
+"""`moemerge export`: bake a merged-experts model's curvature into its experts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from moemerge.cli.app import app, out, reports_errors
+
+
+@app.command()
+@reports_errors
+def export(
+    model: Annotated[Path, typer.Argument(help="A merged_experts model with curvature (e.g. "
+                                          "after `finetune --train curvature`).",
+                                          show_default=False)],
+    output: Annotated[Path, typer.Argument(help="Where the baked model goes.",
+                                           show_default=False)],
+    force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
+) -> None:
+    """Fold the curvature into the experts, E'_i = E_m + M_i τ_i, and write a model that
+    computes the same outputs with no curvature matrices (config curvature: none)."""
+    from moemerge.assemble.bake import bake_curvature
+    from moemerge.errors import OutputError
+
+    if output.exists() and not force:
+        raise OutputError(f"{output} already exists; pass --force to replace it")
+    baked = bake_curvature(model, output, force=force)
+    out.print(f"[green]exported[/] {output}: curvature folded into {len(baked)} expert tensors")

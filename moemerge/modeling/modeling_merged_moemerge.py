@@ -1,0 +1,232 @@
+"""Merged-experts MoE (SMEAR / Lory / CAMEx) as a transformers model (shipped with the weights).
+
+The backbone is the base's dense model (its own transformers class); every layer's MLP is a
+`MergedExpertsMLP`: for each projection p (gate, up, down) with reference E_m [O, I] and expert
+weights E_i, the FFN of a token with routing scores s [N] uses
+
+    W_p = E_m + α Σ_i s_i · Δ_i,    Δ_i = mask_i ⊙ M_i(τ_i),    τ_i = E_i − E_m.
+
+Δ does not depend on the input: `merged_weights()` computes it once per forward for every layer
+(and keeps it while the weights are unchanged and no gradient is needed). A projection is then
+x E_mᵀ + α Σ_i s_i (x Δ_iᵀ): N + 1 matmuls, no per-token weight matrix.
+
+Routing is causal, by segments of T = segment_length tokens: the tokens of segment k ≥ 1 use
+softmax(router(mean hidden state of segment k − 1)); token t of segment 0 uses the router on the
+mean of tokens 0..t (segment 0 "routes on itself", causally), without gradient. In generation
+the scores are set on the prompt (its last segment's mean) and kept for every generated token.
+Means skip padding (attention_mask 0).
+
+Tensor names: the backbone's (model.*, lm_head.weight), and per layer l under
+model.layers.{l}.mlp: reference.{p}.weight (all layers, or layer 0 only when dynamic),
+experts.{i}.{p}.weight, router.weight [N, H], curvature.{p}.{A,B,C,D} [N, R, d, d].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModel, GenerationMixin, PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .configuration_moemerge import MoemergeMergedConfig
+from .curvature_moemerge import KroneckerCurvature, dare_expert_mask, ties_mask
+from .modeling_moemerge import MoemergeModel, dense_config
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class FFNWeights(nn.Module):
+    """gate_proj, up_proj [I, H] and down_proj [H, I] of one FFN, as plain Linear layers."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+
+class MergedCache(DynamicCache):
+    """The backbone's KV cache plus each layer's generation-time routing scores [B, N]."""
+
+    def __init__(self, config):
+        try:
+            super().__init__(config=config)  # transformers 5
+        except TypeError:
+            super().__init__()  # transformers 4
+        self.scores: dict[int, torch.Tensor] = {}
+
+    def reorder_cache(self, beam_idx):
+        super().reorder_cache(beam_idx)
+        self.scores = {k: v.index_select(0, beam_idx.to(v.device)) for k, v in self.scores.items()}
+
+    def batch_repeat_interleave(self, repeats: int):
+        super().batch_repeat_interleave(repeats)
+        self.scores = {k: v.repeat_interleave(repeats, 0) for k, v in self.scores.items()}
+
+    def batch_select_indices(self, indices):
+        super().batch_select_indices(indices)
+        self.scores = {k: v[indices] for k, v in self.scores.items()}
+
+
+class Step:
+    """What one forward shares with every layer's MLP: merged weights, cache, padding mask."""
+
+    weights: list | None = None  # per layer: ({p: E_m}, {p: Δ [N, O, I]})
+    cache: MergedCache | None = None
+    decoding = False  # True after the prompt: use the cache's stored scores
+    mask: torch.Tensor | None = None  # [B, T] attention mask (1 = token)
+
+
+class MergedExpertsMLP(nn.Module):
+    def __init__(self, config: MoemergeMergedConfig, dense, layer: int, step: Step):
+        super().__init__()
+        hidden, inter, n = dense.hidden_size, dense.intermediate_size, config.num_experts
+        self.layer, self.step, self.config = layer, step, config
+        self.reference = None if config.dynamic and layer > 0 else FFNWeights(hidden, inter)
+        self.experts = nn.ModuleList(FFNWeights(hidden, inter) for _ in range(n))
+        self.router = nn.Linear(hidden, n, bias=False)
+        self.curvature = None
+        if config.curvature == "kronecker":
+            shapes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden),
+                      "down_proj": (hidden, inter)}
+            self.curvature = nn.ModuleDict({p: KroneckerCurvature(n, o, i, config.curvature_rank)
+                                            for p, (o, i) in shapes.items()})
+        self.act = ACT2FN[dense.hidden_act]
+
+    def deltas(self, reference: dict) -> tuple[dict, dict]:
+        """({p: M_i τ_i [N, O, I]}, {p: Δ_i = mask ⊙ M_i τ_i}) for this layer."""
+        curved, masked = {}, {}
+        for p in PROJECTIONS:
+            tau = torch.stack([getattr(e, p).weight for e in self.experts]) - reference[p]
+            curved[p] = self.curvature[p](tau) if self.curvature is not None else tau
+            masked[p] = curved[p] * ties_mask(curved[p]) if self.config.mask == "ties" \
+                else curved[p]
+        return curved, masked
+
+    def scores(self, h: torch.Tensor) -> torch.Tensor:
+        """Routing scores of every token: h [B, T, H] -> s [B, T, N]."""
+        step, size = self.step, self.config.segment_length
+        stored = step.cache.scores.get(self.layer) if step.cache is not None else None
+        if step.decoding and stored is not None:
+            return stored[:, None, :].expand(h.shape[0], h.shape[1], -1)
+        b, t, _ = h.shape
+        mask = (step.mask[:, -t:] if step.mask is not None else h.new_ones(b, t))[..., None]
+        mask = mask.to(h.dtype)
+        segment = torch.arange(t, device=h.device) // size  # [T]
+        k = int(segment[-1]) + 1
+        sums = h.new_zeros(b, k, h.shape[-1]).index_add(1, segment, h * mask)
+        counts = h.new_zeros(b, k, 1).index_add(1, segment, mask)
+        means = sums / counts.clamp_min(1.0)  # [B, K, H]
+        first = min(t, size)  # segment 0: running mean of its tokens, no gradient
+        running = ((h[:, :first] * mask[:, :first]).cumsum(1)
+                   / mask[:, :first].cumsum(1).clamp_min(1.0))  # [B, first, H]
+        head = torch.softmax(self.router(running.detach()), -1).detach()  # [B, first, N]
+        rest = torch.softmax(self.router(means[:, :-1]), -1)  # [B, K - 1, N]: k routed by k − 1
+        scores = torch.cat([head, rest[:, segment[first:] - 1]], dim=1)  # [B, T, N]
+        if self.training and self.config.mask == "dare":
+            drop = dare_expert_mask((b, k, scores.shape[-1]), self.config.dare_p, h.device)
+            scores = scores * drop[:, segment]
+        if step.cache is not None:  # generation keeps routing on the prompt's last segment
+            step.cache.scores[self.layer] = torch.softmax(self.router(means[:, -1]), -1).detach()
+        return scores
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        reference, delta = self.step.weights[self.layer]
+        s = self.scores(h).to(h.dtype)
+        alpha = self.config.alpha
+
+        def project(x: torch.Tensor, p: str) -> torch.Tensor:
+            per_expert = torch.einsum("bti,noi->btno", x, delta[p].to(x.dtype))  # x Δ_iᵀ
+            return F.linear(x, reference[p]) + alpha * torch.einsum("btn,btno->bto", s, per_expert)
+
+        return project(self.act(project(h, "gate_proj")) * project(h, "up_proj"), "down_proj")
+
+
+class MoemergeMergedForCausalLM(MoemergeModel, PreTrainedModel, GenerationMixin):
+    config_class = MoemergeMergedConfig
+    base_model_prefix = "moemerge_merged"
+
+    def __init__(self, config: MoemergeMergedConfig):
+        super().__init__(config)
+        config.check()
+        self.dense_config = dense_config(config.base, getattr(config, "_attn_implementation",
+                                                              None))
+        self.model = AutoModel.from_config(self.dense_config)
+        self.step = Step()
+        for index, layer in enumerate(self.model.layers):
+            layer.mlp = MergedExpertsMLP(config, self.dense_config, index, self.step)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._frozen: tuple | None = None  # (weight versions, merged weights) without grad
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def mlps(self) -> list[MergedExpertsMLP]:
+        return [layer.mlp for layer in self.model.layers]
+
+    def merged_weights(self) -> list[tuple[dict, dict]]:
+        """Per layer ({p: E_m [O, I]}, {p: Δ [N, O, I]}), layer by layer since a dynamic layer's
+        E_m comes from the one below: E_m^{l+1} = E_m^l + α · mean_i M_i τ_i^l."""
+        params = [p for mlp in self.mlps() for p in mlp.parameters()]
+        key = tuple(p._version for p in params) + tuple(p.data_ptr() for p in params)
+        if not torch.is_grad_enabled() and self._frozen is not None and self._frozen[0] == key:
+            return self._frozen[1]
+        weights, reference = [], None
+        for mlp in self.mlps():
+            if mlp.reference is not None:
+                reference = {p: getattr(mlp.reference, p).weight for p in PROJECTIONS}
+            curved, masked = mlp.deltas(reference)
+            weights.append((reference, masked))
+            reference = {p: reference[p] + self.config.alpha * curved[p].mean(0)
+                         for p in PROJECTIONS}
+        self._frozen = (key, weights) if not torch.is_grad_enabled() else None
+        return weights
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None,
+                past_key_values=None, inputs_embeds=None, labels=None, use_cache=None,
+                logits_to_keep=0, **kwargs):
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        if use_cache and past_key_values is None:
+            past_key_values = MergedCache(self.dense_config)
+        step = self.step
+        step.weights = self.merged_weights()
+        step.cache = past_key_values if isinstance(past_key_values, MergedCache) else None
+        step.decoding = past_key_values is not None and past_key_values.get_seq_length() > 0
+        step.mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 \
+            else None
+        try:
+            out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds,
+                             attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past_key_values, use_cache=use_cache, **kwargs)
+        finally:
+            step.weights, step.cache, step.mask = None, None, None
+        hidden = out.last_hidden_state
+        keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
+        logits = self.lm_head(hidden[:, keep])
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(),
+                                   ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits,
+                                      past_key_values=out.past_key_values if use_cache else None)
+
+    @torch.no_grad()
+    def baked_experts(self) -> dict[str, torch.Tensor]:
+        """Expert weights with the curvature folded in, E'_i = E_m + M_i τ_i, by tensor name:
+        with curvature none the same model computes the same outputs."""
+        out, weights = {}, self.merged_weights()
+        for index, mlp in enumerate(self.mlps()):
+            reference = weights[index][0]
+            curved, _ = mlp.deltas(reference)
+            for p in PROJECTIONS:
+                for i, tau in enumerate(curved[p]):
+                    name = f"model.layers.{index}.mlp.experts.{i}.{p}.weight"
+                    out[name] = reference[p] + tau
+        return out
