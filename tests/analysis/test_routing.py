@@ -152,7 +152,7 @@ def test_cli(moe, model_factory, tmp_path):
     assert "perplexity" in result.output and "per layer" in result.output
     assert "code" in result.output and "math" in result.output
     doc = json.loads(js.read_text())
-    assert set(doc) == {"schema", "model", "experts_per_token", "num_experts", "experts",
+    assert set(doc) == {"schema", "model", "level", "experts_per_token", "num_experts", "experts",
                         "layers", "domains"}
     assert doc["schema"] == "moemerge.routing/1" and doc["experts"] == ["code", "math"]
     assert doc["num_experts"] == 2 and doc["experts_per_token"] == 1
