@@ -63,7 +63,9 @@ def new_cache(config) -> DynamicCache:
 
 def dense_config(values: dict, attn_implementation: str | None):
     """A dense expert's transformers config from its config.json dict (classic keys accepted)."""
-    values = {k: v for k, v in values.items() if k not in ("architectures", "auto_map")}
+    # no dtype: the submodel takes the one the outer model is loaded or built in
+    values = {k: v for k, v in values.items()
+              if k not in ("architectures", "auto_map", "torch_dtype", "dtype")}
     config = AutoConfig.for_model(**values)
     config.tie_word_embeddings = False  # heads are separate tensors here
     if attn_implementation:
@@ -173,6 +175,8 @@ class MoemergeForCausalLM(MoemergePreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(d_m, vocab, bias=False) if config.shared_lm_head else None
         self.router = nn.Linear(d_m, config.num_experts, bias=False)
         self.experts = nn.ModuleList(ExpertStack(config, i) for i in range(config.num_experts))
+        self._no_split_modules = sorted({type(layer).__name__ for e in self.experts
+                                         for layer in e.model.layers})  # FSDP groups
         self.base = None
         if config.base is not None:
             attn = getattr(config, "_attn_implementation", None)
@@ -208,7 +212,9 @@ class MoemergeForCausalLM(MoemergePreTrainedModel, GenerationMixin):
             nll = []
             for e in range(config.num_experts):
                 done[e] = run(e)
-                nll.append(sequence_nll(self._head(e, done[e][0]), input_ids, attention_mask))
+                with torch.no_grad():  # a choice, not a function to differentiate
+                    nll.append(sequence_nll(self._head(e, done[e][0]), input_ids,
+                                            attention_mask))
             scores = perplexity_scores(torch.stack(nll))
         else:
             if self._scorer is None:

@@ -61,7 +61,7 @@ def _dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
 class TaskVectorScorer:
     """Scores [B, N] = cos(−g_b, τ_e), g_b the gradient of the base model's loss on sequence b
     over the selected parameters, τ_e = expert e's parameters − the base's. τ is never stored:
-    g·τ_e = g·W_e − g·W_base, and ‖τ_e‖ is computed once."""
+    g·τ_e = g·W_e − g·W_base."""
 
     def __init__(self, base: torch.nn.Module, experts: list[torch.nn.Module], select: list[str]):
         self.base = base
@@ -69,40 +69,48 @@ class TaskVectorScorer:
         if not self.names:
             raise ValueError(f"task_vector_params {select} match no parameter of the base model")
         self.experts = experts
-        self._norms: torch.Tensor | None = None
 
     def _params(self, module: torch.nn.Module) -> list[torch.Tensor]:
         params = dict(module.named_parameters())
         return [params[n] for n in self.names]
 
+    @torch.no_grad()
     def norms(self) -> torch.Tensor:
-        """‖τ_e‖ for every expert: [N]."""
-        if self._norms is None:
-            base = self._params(self.base.model)
-            with torch.no_grad():
-                taus = [[w - b for w, b in zip(self._params(e.model), base, strict=True)]
-                        for e in self.experts]
-                self._norms = torch.stack([_dot(t, t).sqrt() for t in taus])
-        return self._norms
+        """‖τ_e‖ for every expert: [N] (recomputed each call: the experts may be training)."""
+        base = self._params(self.base.model)
+        taus = [[w - b for w, b in zip(self._params(e.model), base, strict=True)]
+                for e in self.experts]
+        return torch.stack([_dot(t, t).sqrt() for t in taus])
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
         base = self._params(self.base.model)
-        scores = []
-        for b in range(input_ids.shape[0]):  # one gradient per sequence
-            mask = attention_mask[b: b + 1] if attention_mask is not None else None
-            with torch.enable_grad():
-                logits = self.base(input_ids=input_ids[b: b + 1], attention_mask=mask).logits
-                loss = sequence_nll(logits, input_ids[b: b + 1], mask).sum()
-                grads = torch.autograd.grad(loss, base, allow_unused=True)
-            with torch.no_grad():
-                grads = [g if g is not None else torch.zeros_like(p)
-                         for g, p in zip(grads, base, strict=True)]
-                base_dot = _dot(grads, base)
-                dots = torch.stack([_dot(grads, self._params(e.model)) - base_dot
-                                    for e in self.experts])  # g·τ_e, [N]
-                denom = (_dot(grads, grads).sqrt() * self.norms()).clamp_min(1e-12)
-                scores.append(-dots / denom)  # descent direction −g
-        return torch.stack(scores)
+        frozen = [p for p in base if not p.requires_grad]
+        for p in frozen:  # the gradient is taken even when the base is frozen (finetune)
+            p.requires_grad_(True)
+        try:
+            return torch.stack([self._score(input_ids[b: b + 1], base,
+                                            attention_mask[b: b + 1]
+                                            if attention_mask is not None else None)
+                                for b in range(input_ids.shape[0])])  # one gradient per row
+        finally:
+            for p in frozen:
+                p.requires_grad_(False)
+
+    def _score(self, ids: torch.Tensor, base: list[torch.Tensor],
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """cos(−g, τ_e) for one sequence ids [1, T]: [N]."""
+        with torch.enable_grad():
+            logits = self.base(input_ids=ids, attention_mask=mask).logits
+            loss = sequence_nll(logits, ids, mask).sum()
+            grads = torch.autograd.grad(loss, base, allow_unused=True)
+        with torch.no_grad():
+            grads = [g if g is not None else torch.zeros_like(p)
+                     for g, p in zip(grads, base, strict=True)]
+            base_dot = _dot(grads, base)
+            dots = torch.stack([_dot(grads, self._params(e.model)) - base_dot
+                                for e in self.experts])  # g·τ_e, [N]
+            denom = (_dot(grads, grads).sqrt() * self.norms()).clamp_min(1e-12)
+            return (-dots / denom).float()  # descent direction −g
 
 
 class RoutedCache(Cache):

@@ -15,11 +15,12 @@ from rich.console import Console
 
 from moemerge.errors import CheckpointError, OutputError, RecipeError
 from moemerge.io.reader import CheckpointReader
+from moemerge.modeling import MERGED_MODEL_TYPE, MODEL_TYPE, register
 from moemerge.train import checkpoint, distributed, loop, report, sharding
 from moemerge.train.config import TrainConfig
 from moemerge.train.data import Blocks, collect_texts, make_blocks
 from moemerge.train.export import export, write_json
-from moemerge.train.params import select_trainable
+from moemerge.train.params import check_aux_loss, learned_routing, select_trainable
 
 
 @dataclass
@@ -39,17 +40,21 @@ def _load(cfg: TrainConfig, device: torch.device):
 
     from moemerge.toy.train import quiet_transformers
 
-    with CheckpointReader(Path(cfg.model)):  # clear errors for a missing/truncated checkpoint
-        pass
+    with CheckpointReader(Path(cfg.model)) as reader:  # clear errors for a missing/truncated one
+        ours = reader.config.get("model_type") in (MODEL_TYPE, MERGED_MODEL_TYPE)
+    register()  # moemerge's own kinds load with the installed code, not the model dir's
     try:
         with quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-            model = AutoModelForCausalLM.from_pretrained(
-                cfg.model, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(  # ours: never the model dir's code
+                cfg.model, dtype=torch.float32,
+                trust_remote_code=cfg.trust_remote_code and not ours)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"cannot load a causal LM and its tokenizer from {cfg.model}: "
                               f"{exc}") from None
-    return model.to(device), tokenizer
+    # dtype again: a bf16 seq_routed / bridged checkpoint builds its expert stacks in their own
+    # configs' dtype whatever from_pretrained is told; training runs in fp32
+    return model.to(device=device, dtype=torch.float32), tokenizer
 
 
 def _check_outputs(cfg: TrainConfig, ctx: distributed.Dist) -> None:
@@ -85,6 +90,7 @@ def _finetune(cfg, ctx, console, on_step) -> FinetuneResult:
     model, tokenizer = _load(cfg, torch.device("cpu") if ctx.sharded else ctx.device)
     blocks = make_blocks(texts, tokenizer, cfg.seq_len, cfg.eval_fraction)
     names = select_trainable(model, cfg.train, cfg.model)
+    check_aux_loss(model, cfg.aux_loss_coef, cfg.model)
     if ctx.sharded:  # replaces the parameters with DTensor shards: look them up after
         model = sharding.shard_model(model, ctx)
     params = dict(model.named_parameters())
@@ -124,7 +130,7 @@ def _finetune(cfg, ctx, console, on_step) -> FinetuneResult:
                             cfg.keep_checkpoints)
         distributed.barrier(ctx)
 
-    wrapped = distributed.wrap(model, ctx)
+    wrapped = distributed.wrap(model, ctx, find_unused=not learned_routing(model))
     with report.progress_bar(console, steps, start) as bar:
         loop.run(wrapped, optim, blocks, cfg, ctx, start=start, steps=steps, trainable=trainable,
                  on_step=log, save=save, bare=model)
@@ -182,26 +188,28 @@ def _unsharded(cfg: TrainConfig, params: dict[str, torch.Tensor], names: list[st
 
 def _reports(tmp: Path, cfg: TrainConfig, result: FinetuneResult, blocks: Blocks, tokenizer,
              console: Console | None) -> None:
-    """OUT/training/: config, metrics.jsonl, loss.png, routing.{json,png}."""
+    """OUT/training/: config, metrics.jsonl, loss.png, summary.json, routing.{json,png}."""
     where = tmp / "training"
     (where / "train_config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
     report.write_metrics(where / "metrics.jsonl", result.records)
     report.loss_plot(where / "loss.png", result.records)
+    write_json(where / "summary.json", {"steps": result.steps, "trained": result.trained,
+                                        "before": result.before, "after": result.after})
+    config = result.model.config
+    if getattr(config, "model_type", None) == MERGED_MODEL_TYPE:
+        return  # merged experts weigh every expert per segment: no top-k shares to report
     from moemerge.analysis.routing import expert_labels, routing_report
     from moemerge.analysis.routing_render import plot, summary_table
 
     texts = {d: tokenizer.decode(blocks.tokens[blocks.eval_ids[blocks.domain[blocks.eval_ids] == i]]
                                  .flatten().tolist())
              for i, d in enumerate(blocks.domains)}
-    config = result.model.config
     n_experts = getattr(config, "num_local_experts", None) or config.num_experts
     labels = expert_labels(Path(cfg.model), n_experts)
     routing = routing_report(result.model, tokenizer, texts, seq_len=cfg.seq_len, labels=labels,
                              name=str(cfg.output))
     (where / "routing.json").write_text(routing.to_json())
     plot(routing, where / "routing.png")
-    write_json(where / "summary.json", {"steps": result.steps, "trained": result.trained,
-                                        "before": result.before, "after": result.after})
     result.routing = routing
     if console:
         console.print(summary_table(routing))

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from moemerge.errors import RecipeError
 
-Part = Literal["routers", "projectors", "all"]
+Part = Literal["routers", "projectors", "curvature", "all"]
 
 
 class TrainConfig(BaseModel):

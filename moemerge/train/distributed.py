@@ -49,16 +49,19 @@ def setup(device: str, fsdp: bool = False) -> Dist:
     return Dist(rank, world, local_rank, dev, sharded=fsdp and world > 1)
 
 
-def wrap(model: torch.nn.Module, ctx: Dist) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, ctx: Dist, find_unused: bool = False) -> torch.nn.Module:
     """DDP over the trainable parameters when world > 1 (frozen ones are not synchronised);
-    a sharded model is returned as it is."""
+    a sharded model is returned as it is. `find_unused`: some trainable parameters may get no
+    gradient in a step (--full under task-vector routing: the base, the router), so DDP looks
+    for them after each forward instead of waiting for their gradients forever."""
     if ctx.world == 1 or ctx.sharded:
         return model
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     # broadcast_buffers off: the models have no buffers that training changes (rotary caches)
-    return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+    return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False,
+                                   find_unused_parameters=find_unused)
 
 
 def shard(batch: torch.Tensor, ctx: Dist) -> torch.Tensor:

@@ -2,9 +2,11 @@
 gradient accumulation and clipping, autocast on CUDA, per-domain evaluation.
 
 Loss = mean next-token cross-entropy over the step's blocks (+ aux_loss_coef × the Switch
-load-balancing loss transformers returns with output_router_logits). Each micro-batch's loss is
-divided by grad_accum, and DDP (or FSDP's reduce-scatter) averages over ranks, so the gradient is
-the global-batch mean whatever the split into ranks and micro-batches.
+load-balancing loss the model returns with output_router_logits: over tokens for Mixtral and
+Qwen-MoE, over sequences for a learned sequence router; params.check_aux_loss refuses it where
+there is none). Each micro-batch's loss is divided by grad_accum, and DDP (or FSDP's
+reduce-scatter) averages over ranks, so the gradient is the global-batch mean whatever the split
+into ranks and micro-batches.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def _loss(model, block: torch.Tensor, aux_coef: float, ctx: Dist) -> tuple[torch
     """(loss to backpropagate, the plain LM loss) of blocks [b, T + 1]."""
     block = block.to(ctx.device)
     with _autocast(ctx):
-        out = model(input_ids=block[:, :-1], output_router_logits=aux_coef > 0)
+        # use_cache off: training needs no KV cache (a sequence-routed model keeps one per expert)
+        out = model(input_ids=block[:, :-1], output_router_logits=aux_coef > 0, use_cache=False)
     lm = F.cross_entropy(out.logits.float().flatten(0, 1), block[:, 1:].flatten())
     total = lm + aux_coef * out.aux_loss.float() if aux_coef > 0 else lm
     return total, lm.item()
@@ -99,7 +102,7 @@ def _nll(model, block: torch.Tensor, ctx: Dist) -> torch.Tensor:
     """Per-token next-token loss [b, T] of blocks [b, T + 1]."""
     block = block.to(ctx.device)
     with _autocast(ctx):
-        logits = model(input_ids=block[:, :-1]).logits.float()  # [b, T, V]
+        logits = model(input_ids=block[:, :-1], use_cache=False).logits.float()  # [b, T, V]
     return F.cross_entropy(logits.transpose(1, 2), block[:, 1:], reduction="none")
 
 

@@ -1,9 +1,18 @@
 """Which parameters train, found by module structure, and where each lives on disk.
 
-An MoE block is a module with a `gate` (the router: a module whose weight is [experts, hidden])
-and `experts` child, as in transformers' Mixtral, Qwen2-MoE and Qwen3-MoE (in transformers 5 the
-experts are fused in memory but the router stays its own module). Projectors are modules named
-`proj_in` / `proj_out` (the bridged MoE kind); no model moemerge builds today has them.
+Token-routed MoE (Mixtral, Qwen2-MoE, Qwen3-MoE): an MoE block is a module with a `gate` (the
+router: a module whose weight is [experts, hidden]) and an `experts` child (in transformers 5 the
+experts are fused in memory but the router stays its own module); "routers" = every block's gate.
+
+Sequence-routed kinds (moemerge's seq_routed and bridged, config model_type "moemerge"): one
+top-level `router` (weight [N, d_m], on the mean token embedding) routes whole sequences;
+"routers" = that router, which trains only when it is learned (perplexity and task-vector
+routing compute their scores, nothing in them trains). "projectors" = every `proj_in` /
+`proj_out` module (d_m → d_i and back around each bridged expert); only bridged models have them.
+
+Merged experts (config model_type "moemerge_merged", CAMEx): every FFN has its own `router`
+next to its `experts`; "routers" = those, "curvature" = every `curvature` module (the Kronecker
+factors), present when the model was built with curvature.
 """
 
 from __future__ import annotations
@@ -11,50 +20,95 @@ from __future__ import annotations
 import torch
 
 from moemerge.errors import MismatchError, OutputError, RecipeError
+from moemerge.modeling import MERGED_MODEL_TYPE, is_sequence_routed
 
 PROJECTOR_NAMES = ("proj_in", "proj_out")
+PART_MODULES = {  # part: (module names, which models have them)
+    "projectors": (PROJECTOR_NAMES, "only the projector-bridged MoE kind has them"),
+    "curvature": (("curvature",), "only merged-experts models built with curvature have it"),
+}
 
 
-def moe_blocks(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """{module name: block} of every MoE block with a router."""
+def moe_blocks(model: torch.nn.Module, router: str = "gate") -> dict[str, torch.nn.Module]:
+    """{module name: block} of every MoE block: a module with `experts` and a `router` child."""
     return {name: m for name, m in model.named_modules()
-            if isinstance(getattr(m, "gate", None), torch.nn.Module)
+            if isinstance(getattr(m, router, None), torch.nn.Module)
             and isinstance(getattr(m, "experts", None), torch.nn.Module)}
 
 
 def router_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """{name: router module} in layer order; the routers' weights are [experts, hidden]."""
+    if is_sequence_routed(model.config):
+        return {"router": model.router}
+    if getattr(model.config, "model_type", None) == MERGED_MODEL_TYPE:  # one per FFN
+        return {f"{name}.router": b.router for name, b in moe_blocks(model, "router").items()}
     return {f"{name}.gate": block.gate for name, block in moe_blocks(model).items()}
+
+
+def learned_routing(model: torch.nn.Module) -> bool:
+    """False for a sequence-routed model routed by perplexity or task vectors: its router has
+    nothing to train, and a training step can leave trainable parameters without a gradient
+    (the unused router weights, a kept base, experts no sequence went to)."""
+    return not is_sequence_routed(model.config) or model.config.router == "learned"
+
+
+def _check_router_trains(model: torch.nn.Module, where: str) -> None:
+    if not learned_routing(model):
+        raise RecipeError(
+            f"training routers (--router-only, the default): {where} routes sequences by "
+            f"{model.config.router}, which has no weights to train. Rebuild it with `router: "
+            "{kind: learned}` in the recipe, or load it with router='learned' (set \"router\": "
+            "\"learned\" in a copy's config.json; its router.weight is there, randomly "
+            "initialised), or train other parts (--train projectors, --full)")
+
+
+def _part_prefixes(model: torch.nn.Module, part: str, where: str) -> list[str]:
+    names, owners = PART_MODULES[part]
+    found = [n for n, _ in model.named_modules() if n.rsplit(".", 1)[-1] in names]
+    if not found:
+        raise RecipeError(f"--train {part}: model {where} has no {part} ({owners}); train "
+                          "routers or --full")
+    return [f"{name}." for name in found]
 
 
 def select_trainable(model: torch.nn.Module, parts: list[str], where: str) -> list[str]:
     """Set requires_grad on the chosen parts only; return their parameter names.
 
-    Frozen parameters get no gradient and no optimizer state."""
+    Frozen parameters get no gradient and no optimizer state. 'all' is every parameter, also
+    those the loss cannot reach (a non-learned router, a kept base: AdamW leaves them as they
+    are; the task-vector router needs the base's requires_grad to score)."""
     routers = router_modules(model)
     if not routers:
         raise MismatchError(
-            f"{where} is not an MoE: no MoE block with a router (a `gate` next to `experts`) "
-            f"in {type(model).__name__}, so there is no router to train. finetune trains MoE "
-            "models such as those `moemerge build` makes (Mixtral, Qwen2-MoE, Qwen3-MoE).")
-    chosen: set[str] = set()
+            f"{where} is not an MoE: no MoE block with a router (a `gate` or `router` next to "
+            f"`experts`) in {type(model).__name__}, so there is nothing of an MoE to train. "
+            "finetune trains MoE models such as those `moemerge build` makes (Mixtral, "
+            "Qwen2-MoE, Qwen3-MoE, seq_routed, bridged, merged_experts).")
     prefixes = []
-    if "all" in parts:
-        chosen = {n for n, _ in model.named_parameters()}
     if "routers" in parts:
+        _check_router_trains(model, where)
         prefixes += [f"{name}." for name in routers]
-    if "projectors" in parts:
-        found = [n for n, _ in model.named_modules() if n.rsplit(".", 1)[-1] in PROJECTOR_NAMES]
-        if not found:
-            raise RecipeError(f"--train projectors: model {where} has no projectors (only the "
-                              "projector-bridged MoE kind has them); train routers or --full")
-        prefixes += [f"{name}." for name in found]
-    for name, _ in model.named_parameters():
-        if any(name.startswith(p) for p in prefixes):
-            chosen.add(name)
+    for part in PART_MODULES:
+        if part in parts:
+            prefixes += _part_prefixes(model, part, where)
+    names = [n for n, _ in model.named_parameters()
+             if "all" in parts or any(n.startswith(p) for p in prefixes)]
+    chosen = set(names)
     for name, param in model.named_parameters():
         param.requires_grad_(name in chosen)
-    return [n for n, _ in model.named_parameters() if n in chosen]
+    return names
+
+
+def check_aux_loss(model: torch.nn.Module, coef: float, where: str) -> None:
+    """--aux-loss-coef needs router logits to balance: refused for routing that is not learned
+    (the model returns no aux_loss), rather than silently training without it."""
+    if coef > 0 and getattr(model.config, "model_type", None) == MERGED_MODEL_TYPE:
+        raise RecipeError(f"--aux-loss-coef {coef}: {where} merges every expert per segment; "
+                          "there is no top-k load to balance; leave it at 0")
+    if coef > 0 and not learned_routing(model):
+        raise RecipeError(f"--aux-loss-coef {coef}: {where} routes sequences by "
+                          f"{model.config.router}, which has no router logits to balance; "
+                          "leave it at 0")
 
 
 def to_disk_names(model: torch.nn.Module, tensors: dict[str, torch.Tensor],

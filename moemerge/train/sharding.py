@@ -11,6 +11,14 @@ reduce-scatters only those with gradients, and the optimizer holds only the trai
 frozen parameters still get no gradient and no optimizer state. The one constraint, a single
 dtype among a group's trainable parameters, holds (fp32).
 
+A sequence-routed model (seq_routed, bridged) is one group, the root, whatever its
+`_no_split_modules`: a forward runs only the experts its sequences go to (all of them in
+training with a learned router; the top k in evaluation, or with perplexity / task-vector
+routing), so with per-layer groups ranks whose sequences went to different experts would join
+different all-gathers (measured on the TINY experts: a hang in the first evaluation). With one
+group every rank gathers the whole model once per forward, whatever its routing; gradients and
+AdamW states are still sharded.
+
 Checkpoints and the export hold full tensors whatever the sharding: a sharded tensor is gathered
 with `full_tensor()` (a collective every rank joins, one tensor at a time, kept on rank 0 only)
 and a full value is cut back into this rank's slice with `distribute_tensor`.
@@ -21,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from moemerge.errors import RecipeError
+from moemerge.modeling import is_sequence_routed
 from moemerge.train.distributed import Dist
 
 try:  # public from torch 2.5; older versions have no FSDP2, hence no sharded tensors
@@ -38,8 +47,7 @@ def shard_model(model: torch.nn.Module, ctx: Dist) -> torch.nn.Module:
     except ImportError:
         raise RecipeError("--fsdp needs torch >= 2.6 (FSDP2's fully_shard)") from None
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
-    layers = set(getattr(model, "_no_split_modules", None) or ())
-    for module in [m for m in model.modules() if type(m).__name__ in layers]:
+    for module in _layer_groups(model):
         fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
     if hasattr(model, "set_reduce_scatter_unused_params"):  # torch >= 2.11
@@ -48,6 +56,14 @@ def shard_model(model: torch.nn.Module, ctx: Dist) -> torch.nn.Module:
         # reduce-scatters (DDP's find_unused_parameters). Fused experts always have gradients.
         model.set_reduce_scatter_unused_params(True)
     return model
+
+
+def _layer_groups(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules sharded as groups of their own, before the root (see the module docstring)."""
+    if is_sequence_routed(model.config):
+        return []
+    layers = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in layers]
 
 
 def _full(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:

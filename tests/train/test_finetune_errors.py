@@ -32,7 +32,7 @@ def test_not_an_moe(model_factory, tmp_path):
     (tmp_path / "t.txt").write_text("def add(a, b):\n    return a + b\n" * 200)
     common = ("--data", tmp_path / "t.txt", "--seq-len", "16")
     code, text = run(dense, tmp_path / "o", *common, "--router-only")
-    assert code == 1 and "is not an MoE" in text and "no router to train" in text
+    assert code == 1 and "is not an MoE" in text and "nothing of an MoE to train" in text
     code, text = run(dense, tmp_path / "o", *common, "--router-only", "--full")
     assert code == 2 and "only one of" in text
     code, text = run(dense, tmp_path / "o", *common, "--fsdp")  # accepted: one process, unsharded

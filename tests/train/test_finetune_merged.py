@@ -1,0 +1,82 @@
+"""`moemerge finetune --train curvature,routers` on a merged-experts (CAMEx) model of the TINY
+toy experts, then `moemerge export`: the curvature folded into the experts keeps the outputs."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+from moemerge.api import build
+from moemerge.cli import app
+from moemerge.errors import RecipeError
+from moemerge.toy import TINY, cached_toy_experts
+from moemerge.train.api import finetune
+from moemerge.train.config import make_config
+
+
+@pytest.fixture(scope="module")
+def camex(tmp_path_factory):
+    ts = cached_toy_experts(TINY, progress=False)
+    root = tmp_path_factory.mktemp("camex")
+    lines = ["kind: moe", "assembly: merged_experts", f"base_model: {ts.base}", "experts:"]
+    lines += [f"  - {{model: {p}, name: {d}}}" for d, p in ts.experts.items()]
+    lines += ["segment_length: 16", "curvature: {kind: kronecker, rank: 2}", "mask: {kind: ties}"]
+    (root / "recipe.yaml").write_text("\n".join(lines) + "\n")
+    build(root / "recipe.yaml", root / "moe", progress=False)
+    return root, ts
+
+
+def tensors(path):
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out |= load_file(f)
+    return out
+
+
+def test_curvature_finetune_lowers_loss_and_export_keeps_outputs(camex):
+    """Measured: mean held-out loss 3.582 -> 3.508 after 30 steps (TINY experts)."""
+    root, ts = camex
+    cfg = make_config(None, {
+        "model": str(root / "moe"), "output": str(root / "tuned"), "train": ["curvature",
+                                                                            "routers"],
+        "data": [f"{d}={p}" for d, p in ts.train_text.items()], "seq_len": 64,
+        "batch_size": 16, "lr": 1e-2, "steps": 30, "eval_fraction": 0.05, "device": "cpu"})
+    result = finetune(cfg)
+    mean = {stage: sum(v["loss"] for v in values.values()) / len(values)
+            for stage, values in (("before", result.before), ("after", result.after))}
+    assert mean["after"] < mean["before"] - 0.01
+    assert result.trained and all(".curvature." in n or n.endswith("mlp.router.weight")
+                                  for n in result.trained)
+    before, after = tensors(root / "moe"), tensors(root / "tuned")
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert changed and all(".curvature." in n or ".router." in n for n in changed)
+
+    export = CliRunner().invoke(app, ["export", str(root / "tuned"), str(root / "baked")])
+    assert export.exit_code == 0, export.output
+    ids = torch.randint(0, 500, (2, 50), generator=torch.Generator().manual_seed(0))
+    outputs = []
+    for path in (root / "tuned", root / "baked"):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     trust_remote_code=True).eval()
+        with torch.no_grad():
+            outputs.append(model(input_ids=ids).logits)
+    assert (outputs[0] - outputs[1]).abs().max() < 1e-5
+
+
+def test_curvature_on_a_model_without_it_is_refused(camex, tmp_path):
+    root, ts = camex
+    cfg = make_config(None, {"model": str(ts.experts["code"]),
+                             "output": str(tmp_path / "o"), "train": ["curvature"],
+                             "data": [str(ts.train_text["code"])], "seq_len": 32,
+                             "steps": 1, "device": "cpu"})
+    with pytest.raises(Exception, match="not an MoE"):
+        finetune(cfg)
+    lines = (root / "recipe.yaml").read_text().replace("kind: kronecker, rank: 2", "kind: none")
+    (tmp_path / "r.yaml").write_text(lines)
+    build(tmp_path / "r.yaml", tmp_path / "plain", progress=False)
+    cfg = make_config(None, {"model": str(tmp_path / "plain"), "output": str(tmp_path / "o"),
+                             "train": ["curvature"], "data": [str(ts.train_text["code"])],
+                             "seq_len": 32, "steps": 1, "device": "cpu"})
+    with pytest.raises(RecipeError, match="--train curvature: .* has no curvature"):
+        finetune(cfg)
