@@ -8,7 +8,7 @@ held-out perplexity per domain before and after, and the median step time of eac
 ratio to the same mask without curvature (CAMEx claims the overhead is negligible; target
 ≤ 1.10 on CPU). Results: benchmarks/results/camex.{json,md}.
 
-    python benchmarks/bench_camex.py [--preset tiny|demo] [--steps 80]
+    python benchmarks/bench_camex.py [--preset demo|tiny] [--steps 80] [--seq-len 128]
 """
 
 from __future__ import annotations
@@ -94,9 +94,9 @@ def markdown(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", choices=("tiny", "demo"), default="tiny")
+    parser.add_argument("--preset", choices=("demo", "tiny"), default="demo")
     parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--segment", type=int, default=16)
