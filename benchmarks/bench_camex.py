@@ -78,7 +78,7 @@ def markdown(result: dict) -> str:
              "| variant | trained | " + " | ".join(domains) + " | mean | step time |",
              "|---|---|" + "---:|" * (len(domains) + 2)]
     mean = sum(first.values()) / len(first)
-    lines.append(f"| before training (soft merge, uniform) | – | "
+    lines.append("| before training (soft merge, uniform) | – | "
                  + " | ".join(f"{first[d]:.2f}" for d in domains) + f" | {mean:.2f} | |")
     for label, row in rows.items():
         after = [row["after"][d] for d in domains]
