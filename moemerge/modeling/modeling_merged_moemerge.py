@@ -159,7 +159,7 @@ class MoemergeMergedForCausalLM(MoemergeModel, PreTrainedModel, GenerationMixin)
         for index, layer in enumerate(self.model.layers):
             layer.mlp = MergedExpertsMLP(config, self.dense_config, index, self.step)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self._no_split_modules = [type(self.model.layers[0]).__name__]  # FSDP: one per layer
+        self._no_split_modules = [type(self.model.layers[0]).__name__]  # device_map="auto"
         self._frozen: tuple | None = None  # (weight versions, merged weights) without grad
         self.post_init()
 

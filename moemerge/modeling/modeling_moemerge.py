@@ -175,8 +175,6 @@ class MoemergeForCausalLM(MoemergePreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(d_m, vocab, bias=False) if config.shared_lm_head else None
         self.router = nn.Linear(d_m, config.num_experts, bias=False)
         self.experts = nn.ModuleList(ExpertStack(config, i) for i in range(config.num_experts))
-        self._no_split_modules = sorted({type(layer).__name__ for e in self.experts
-                                         for layer in e.model.layers})  # FSDP groups
         self.base = None
         if config.base is not None:
             attn = getattr(config, "_attn_implementation", None)

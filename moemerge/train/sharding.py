@@ -5,7 +5,8 @@ all-gathered for its forward and again for its backward, and its gradients reduc
 back to the slices, so parameters, gradients and AdamW states take 1/N the memory.
 
 Groups: one per decoder layer (transformers' `_no_split_modules` classes), then the root
-(embeddings, final norm, head). A group may mix trainable and frozen parameters (router-only:
+(embeddings, final norm, head); moemerge's own kinds (seq_routed, bridged, merged_experts) are
+one root group (see `_layer_groups`). A group may mix trainable and frozen parameters (router-only:
 the router inside its frozen layer): FSDP2 all-gathers every parameter of the group but
 reduce-scatters only those with gradients, and the optimizer holds only the trainable ones, so
 frozen parameters still get no gradient and no optimizer state. The one constraint, a single
@@ -29,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from moemerge.errors import RecipeError
-from moemerge.modeling import is_sequence_routed
+from moemerge.modeling import MERGED_MODEL_TYPE, is_sequence_routed
 from moemerge.train.distributed import Dist
 
 try:  # public from torch 2.5; older versions have no FSDP2, hence no sharded tensors
@@ -60,7 +61,9 @@ def shard_model(model: torch.nn.Module, ctx: Dist) -> torch.nn.Module:
 
 def _layer_groups(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules sharded as groups of their own, before the root (see the module docstring)."""
-    if is_sequence_routed(model.config):
+    if is_sequence_routed(model.config) or model.config.model_type == MERGED_MODEL_TYPE:
+        # one group: sequence routing runs different experts on different ranks, and merged
+        # experts compute every layer's merged weights before the backbone runs
         return []
     layers = set(getattr(model, "_no_split_modules", None) or ())
     return [m for m in model.modules() if type(m).__name__ in layers]
