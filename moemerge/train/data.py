@@ -2,7 +2,8 @@
 
 Sources: a .txt file (one document), a .jsonl file (one document per line, its `text_field`),
 a directory of those (each file its own domain, labelled by its stem), `name=path` (everything
-under path gets domain `name`), or a `datasets` id (org/name, needs the `datasets` package).
+under path gets domain `name`), or what the `datasets` package loads (needs it installed): a
+directory written by `save_to_disk` (its train split, or its only one), or a hub id (org/name).
 Each domain's documents are tokenised without special tokens, joined with EOS, and cut into
 non-overlapping blocks of seq_len + 1 tokens (input seq_len, target shifted by one); the tail
 that does not fill a block is dropped.
@@ -55,15 +56,27 @@ def _documents(path: Path, text_field: str) -> list[str]:
     return [path.read_text(encoding="utf-8", errors="replace")]
 
 
-def _hub_documents(name: str, text_field: str) -> list[str]:
+SAVED_DATASET = ("dataset_info.json", "dataset_dict.json")  # written by save_to_disk
+
+
+def _dataset_documents(name: str, text_field: str, *, saved: bool) -> list[str]:
+    """The `text_field` of every row of a saved dataset directory or a hub dataset."""
+    what = "a saved dataset" if saved else "not a local file or directory; a hub dataset"
     if importlib.util.find_spec("datasets") is None:
-        raise RecipeError(f"data {name!r}: not a local file or directory; loading it as a hub "
-                          "dataset needs the 'datasets' package (pip install datasets)")
+        raise RecipeError(f"data {name!r}: {what}: loading it needs the 'datasets' package "
+                          "(pip install datasets)")
     import datasets
 
     try:
-        rows = datasets.load_dataset(name, split="train")
-        return [str(r[text_field]) for r in rows]
+        rows = datasets.load_from_disk(name) if saved else datasets.load_dataset(name)
+        if isinstance(rows, datasets.DatasetDict):  # the train split, or the only one
+            if "train" not in rows and len(rows) != 1:
+                raise ValueError(f"no 'train' split among {', '.join(rows)}")
+            rows = rows["train"] if "train" in rows else next(iter(rows.values()))
+        if text_field not in rows.column_names:
+            raise ValueError(f"no {text_field!r} column (--text-field) among "
+                             f"{', '.join(rows.column_names)}")
+        return [str(text) for text in rows[text_field]]
     except Exception as exc:  # any failure to load is this source's fault
         raise RecipeError(f"data {name!r}: cannot load it with datasets: {exc}") from None
 
@@ -77,9 +90,13 @@ def collect_texts(sources: list[str], text_field: str) -> dict[str, list[str]]:
         if not path.exists():
             if HUB_ID.match(str(path)):
                 texts.setdefault(label or str(path), []).extend(
-                    _hub_documents(str(path), text_field))
+                    _dataset_documents(str(path), text_field, saved=False))
                 continue
             raise RecipeError(f"data {source!r}: {path} does not exist")
+        if path.is_dir() and any((path / marker).is_file() for marker in SAVED_DATASET):
+            texts.setdefault(label or path.name, []).extend(
+                _dataset_documents(str(path), text_field, saved=True))
+            continue
         suffixes = TEXT_SUFFIXES | JSONL_SUFFIXES
         files = [path] if path.is_file() else sorted(
             p for p in path.rglob("*") if p.is_file() and p.suffix in suffixes)

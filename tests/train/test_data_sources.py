@@ -1,0 +1,33 @@
+"""finetune's data sources through the real `datasets` library: a directory written by
+`save_to_disk` (a Dataset, or a DatasetDict's train split), and its errors."""
+
+import pytest
+
+from moemerge.errors import RecipeError
+from moemerge.train.data import collect_texts
+
+datasets = pytest.importorskip("datasets")
+
+
+def test_saved_datasets_are_read_with_their_domain_labels(tmp_path):
+    datasets.Dataset.from_dict({"text": ["def f(x):", "return x"], "n": [1, 2]}).save_to_disk(
+        tmp_path / "code")
+    datasets.DatasetDict({
+        "train": datasets.Dataset.from_dict({"body": ["Q: 2 + 2? A: 4."]}),
+        "test": datasets.Dataset.from_dict({"body": ["held out"]}),
+    }).save_to_disk(tmp_path / "split")
+    (tmp_path / "notes.txt").write_text("plain text")
+    texts = collect_texts([str(tmp_path / "code"), str(tmp_path / "notes.txt")], "text")
+    assert texts == {"code": ["def f(x):", "return x"], "notes": ["plain text"]}
+    assert collect_texts([f"math={tmp_path / 'split'}"], "body") == {"math": ["Q: 2 + 2? A: 4."]}
+
+
+def test_saved_dataset_errors_name_the_source(tmp_path):
+    datasets.Dataset.from_dict({"content": ["x"]}).save_to_disk(tmp_path / "d")
+    with pytest.raises(RecipeError, match=r"no 'text' column \(--text-field\) among content"):
+        collect_texts([str(tmp_path / "d")], "text")
+    datasets.DatasetDict({"a": datasets.Dataset.from_dict({"text": ["x"]}),
+                          "b": datasets.Dataset.from_dict({"text": ["y"]})}).save_to_disk(
+        tmp_path / "two")
+    with pytest.raises(RecipeError, match="no 'train' split among a, b"):
+        collect_texts([str(tmp_path / "two")], "text")
