@@ -32,6 +32,32 @@ def perturbed_copy(src: Path, dst: Path, *, scale: float, seed: int, only: str =
     return dst
 
 
+FRESH = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+out = model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=4, do_sample=False,
+                     pad_token_id=0)
+print(out.shape[1], model.config.assembly)
+"""
+
+
+def generate_in_fresh_process(model_dir: Path, scratch: Path) -> list[str]:
+    """Load `model_dir` with its shipped code in a new offline Python (empty module cache),
+    generate 4 tokens; returns [sequence length, assembly] as printed."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(scratch / "modules"),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", FRESH, str(model_dir)], env=env,
+                          capture_output=True, text=True, cwd=scratch, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.split()
+
+
 TEXT = "def add(a, b):\n    return a + b\n\nThe sum of two numbers. Q: What is 2 + 3? A: 5.\n"
 VOCAB = 300  # the tokenizer's 260 specials and bytes, a few merges, some unused ids
 

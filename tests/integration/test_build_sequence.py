@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import FAMILIES, perturbed_copy, write_recipe
+from conftest import FAMILIES, generate_in_fresh_process, perturbed_copy, write_recipe
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
@@ -166,31 +166,12 @@ def test_a_projector_that_does_not_fit_its_expert_names_the_tensor(model_factory
         load(tmp_path / "moe")
 
 
-FRESH = """
-import sys, torch
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
-assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-out = model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=4, do_sample=False,
-                     pad_token_id=0)
-print(out.shape[1], model.config.assembly)
-"""
-
-
 @pytest.mark.parametrize("assembly", ["seq_routed", "bridged"])
 def test_a_fresh_offline_process_loads_the_shipped_code_and_generates(assembly, model_factory,
                                                                        tmp_path):
-    import os
-    import subprocess
-    import sys
-
     dense = model_factory("qwen2")
     path = recipe(tmp_path, assembly, [str(dense), str(dense)])
     build(path, tmp_path / "moe", progress=False)
     for name in ("configuration_moemerge.py", "routing_moemerge.py", "modeling_moemerge.py"):
         assert "import moemerge" not in (tmp_path / "moe" / name).read_text()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    done = subprocess.run([sys.executable, "-c", FRESH, str(tmp_path / "moe")], env=env,
-                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["8", assembly]
+    assert generate_in_fresh_process(tmp_path / "moe", tmp_path) == ["8", assembly]

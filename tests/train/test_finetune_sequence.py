@@ -1,12 +1,10 @@
 """`moemerge finetune` on the sequence-routed kinds (seq_routed, bridged) built from the TINY toy
 experts (code, prose, math): what trains, what the output looks like, one process or several."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from conftest import generate_in_fresh_process
 from test_finetune import config, data_args, run_cli, tensors, train_losses
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
@@ -115,25 +113,9 @@ def test_projectors_train_alone_or_with_the_router(bridged, toy, tmp_path):
         assert mean_loss(result.after) < mean_loss(result.before) - 0.4, parts
 
 
-FRESH = """
-import sys, torch
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
-assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-out = model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=4, do_sample=False,
-                     pad_token_id=0)
-print(out.shape[1], model.config.assembly)
-"""
-
-
 def test_the_output_loads_in_a_fresh_process_with_its_shipped_code(bridged, toy, tmp_path):
     finetune(config(bridged, tmp_path / "out", toy, train=["routers", "projectors"], steps=2))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"),
-           "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", FRESH, str(tmp_path / "out")], env=env,
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["8", "bridged"]
+    assert generate_in_fresh_process(tmp_path / "out", tmp_path) == ["8", "bridged"]
 
 
 def test_ddp_and_fsdp_two_processes_match_one(seq, toy, tmp_path):
