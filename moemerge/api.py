@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import yaml
+
 from moemerge.assemble.card import model_card
 from moemerge.assemble.remote_code import copy_modeling_code
 from moemerge.assemble.verify import FULL_LOAD_LIMIT, check_loads, check_structure
 from moemerge.errors import OutputError, RecipeError
+from moemerge.eval.perplexity import load_causal_lm, load_tokenizer
 from moemerge.execute import run_jobs
 from moemerge.io.atomic import atomic_output_dir, copy_side_files
 from moemerge.io.writer import ShardedWriter, parse_size
@@ -20,10 +25,23 @@ from moemerge.plan.jobs import Plan, Source
 from moemerge.plan.merged import plan_merged_experts
 from moemerge.plan.sequence import plan_bridged, plan_seq_routed
 from moemerge.plan.sources import SourceModel, check_shared_vocabulary, open_sources
-from moemerge.recipe.load import AnyRecipe, load_recipe
+from moemerge.recipe.load import AnyRecipe, load_recipe, parse_recipe
 from moemerge.recipe.merged import MergedExpertsRecipe
 from moemerge.recipe.models import MergeRecipe, MoERecipe
 from moemerge.recipe.sequence import BridgedRecipe, SeqRoutedRecipe
+from moemerge.tune import (
+    TUNING_FILE,
+    Candidate,
+    TuneOptions,
+    TuneResult,
+    check_length,
+    check_options,
+    read_held_out,
+    search,
+    tunable_jobs,
+    tuned_recipe_text,
+    tuning_json,
+)
 
 Verify = Literal["auto", "full", "structure"]
 SIDE_FILES = (
@@ -39,6 +57,7 @@ class BuildResult:
     plan: Plan
     output: Path | None  # None for a dry run
     verified: str  # "full", "structure" or "none"
+    tuning: TuneResult | None = None  # with tune=...: every candidate and the chosen values
 
 
 def _labelled_refs(recipe: AnyRecipe) -> list[tuple[str, object]]:
@@ -94,7 +113,11 @@ def build(
     verify: Verify = "auto",
     progress: bool = True,
     lookahead: int = 3,
+    tune: TuneOptions | None = None,
+    on_candidate: Callable[[Candidate], None] | None = None,
 ) -> BuildResult:
+    """Build `out` from the recipe. With `tune`, first choose λ and density per role on held-out
+    text (docs/tuning.md) and build with them; the recipe copy in `out` records them."""
     recipe_path = Path(recipe_path)
     out = Path(out) if out is not None else None
     recipe = load_recipe(recipe_path)
@@ -105,6 +128,15 @@ def build(
     if out is not None and out.exists() and not force and not dry_run:
         # refuse before reading anything; atomic_output_dir checks again at the end
         raise OutputError(f"{out} already exists; pass --force to replace it")
+    if tune is not None:
+        if not isinstance(recipe, MergeRecipe | MoERecipe):
+            raise RecipeError(f"--tune-on: only kind: merge and token-routed kind: moe recipes "
+                              f"have a merge to tune; {recipe_path} is {recipe.kind} "
+                              f"({getattr(recipe, 'assembly', 'dense')})")
+        if dry_run or out is None:
+            raise RecipeError("--tune-on builds the model to score it; it cannot be a dry run")
+        check_options(tune)
+        held_out = read_held_out(tune.text)
     with ExitStack() as stack:
         models = open_sources(
             _labelled_refs(recipe), recipe_path.parent, allow_pickle=allow_pickle, stack=stack,
@@ -117,28 +149,48 @@ def build(
         def load(source: Source):
             return models[source.model].reader.read(source.tensor)
 
-        make_router = (None if isinstance(recipe, MergeRecipe | MergedExpertsRecipe)
-                       else _router_maker(recipe, models))
-        remote_code = "auto_map" in plan.config
-
-        with atomic_output_dir(out, force=force) as tmp:
+        def write(dest: Path, recipe: AnyRecipe, plan: Plan, recipe_text: str) -> None:
+            make_router = (None if isinstance(recipe, MergeRecipe | MergedExpertsRecipe)
+                           else _router_maker(recipe, models))
             planned = [(j.output, j.dtype, tuple(j.shape)) for j in plan.jobs]
-            with ShardedWriter(tmp, planned, max_shard_bytes=max_shard) as writer:
+            with ShardedWriter(dest, planned, max_shard_bytes=max_shard) as writer:
                 jobs = run_jobs(plan, load, make_router, recipe.seed, lookahead=lookahead)
                 for job, tensor in _with_progress(jobs, plan, progress):
                     writer.write(job.output, tensor)
-            (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
-            copy_side_files(_tokenizer_source(recipe, models).path, tmp, SIDE_FILES)
-            if remote_code:
-                copy_modeling_code(tmp)
-            recipe_text = recipe_path.read_text()
-            (tmp / RECIPE_COPY).write_text(recipe_text)
-            (tmp / "README.md").write_text(model_card(recipe, plan, recipe_text))
-            check_structure(tmp, plan)
+            (dest / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
+            copy_side_files(_tokenizer_source(recipe, models).path, dest, SIDE_FILES)
+            if "auto_map" in plan.config:
+                copy_modeling_code(dest)
+            (dest / RECIPE_COPY).write_text(recipe_text)
+            (dest / "README.md").write_text(model_card(recipe, plan, recipe_text))
+            check_structure(dest, plan)
+
+        recipe_text = recipe_path.read_text()
+        tokenizer = None
+        if tune is not None:  # every check before the first tensor is read
+            tunable_jobs(plan)
+            tokenizer = load_tokenizer(_tokenizer_source(recipe, models).path)
+            check_length(tokenizer, held_out, tune)
+        tuning = None
+        with atomic_output_dir(out, force=force) as tmp:
+            if tune is not None:
+                untuned = tmp / "untuned"
+                untuned.mkdir()
+                write(untuned, recipe, plan, recipe_text)
+                model, _ = load_causal_lm(untuned)
+                tuning = search(model, tokenizer, held_out, plan, load, recipe.seed, tune,
+                                report=on_candidate)
+                del model
+                shutil.rmtree(untuned)
+                recipe_text = tuned_recipe_text(recipe_text, tuning, tune)
+                recipe = parse_recipe(yaml.safe_load(recipe_text), str(recipe_path))
+                plan = make_plan(recipe, models)
+                (tmp / TUNING_FILE).write_text(tuning_json(tuning, tune))
+            write(tmp, recipe, plan, recipe_text)
             full = verify == "full" or (verify == "auto" and plan.total_bytes <= FULL_LOAD_LIMIT)
             if full:
-                check_loads(tmp, trust_remote_code=remote_code)
-        return BuildResult(plan, out, "full" if full else "structure")
+                check_loads(tmp, trust_remote_code="auto_map" in plan.config)
+        return BuildResult(plan, out, "full" if full else "structure", tuning)
 
 
 def _embed_and_norms(base: SourceModel):

@@ -38,6 +38,22 @@ def build(
                           "'full' up to 2 GiB.")
     ] = "auto",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+    tune_on: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option("--tune-on", help="Held-out text file: choose merge lambda and density per "
+                     "tensor role by its perplexity, then build with them (docs/tuning.md).",
+                     show_default=False),
+    ] = None,
+    tune_lambdas: Annotated[
+        str, typer.Option(help="Lambdas tried per role, comma-separated.")
+    ] = "0.3,0.5,0.7,1",
+    tune_densities: Annotated[
+        str, typer.Option(help="Densities tried per role (TIES / DARE), comma-separated.")
+    ] = "0.5,0.7,0.9",
+    tune_max_tokens: Annotated[
+        int, typer.Option(help="Tokens of the held-out text scored per candidate.")
+    ] = 8192,
+    tune_seq_len: Annotated[int, typer.Option(help="Window length when scoring.")] = 64,
 ) -> None:
     """Build a merged dense model or an MoE from RECIPE into OUTPUT."""
     from moemerge.api import build as run_build
@@ -47,10 +63,23 @@ def build(
         raise RecipeError(f"--verify: must be auto, full or structure, got {verify!r}")
     if output is None and not dry_run:
         raise RecipeError("OUTPUT: missing; give an output directory, or --dry-run")
+    tune = None
+    if tune_on is not None:
+        from moemerge.tune import TuneOptions
+
+        tune = TuneOptions(
+            tune_on, _floats("--tune-lambdas", tune_lambdas),
+            _floats("--tune-densities", tune_densities), tune_max_tokens, tune_seq_len,
+        )
     result = run_build(
         recipe, output, force=force, dry_run=dry_run, allow_pickle=allow_pickle,
         verify=verify, progress=not quiet and sys.stderr.isatty(),  # type: ignore[arg-type]
+        tune=tune, on_candidate=None if quiet else _print_candidate,
     )
+    if result.tuning is not None:
+        from moemerge.tune import tuning_table
+
+        out.print(tuning_table(result.tuning))
     if dry_run:
         from moemerge.report import plan_lines, plan_table
 
@@ -66,6 +95,21 @@ def build(
         f"[green]built[/] {output} ({len(result.plan.jobs)} tensors, {size:.1f} MiB; "
         f"output check: {result.verified})"
     )
+
+
+def _floats(option: str, text: str) -> tuple[float, ...]:
+    from moemerge.errors import RecipeError
+
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise RecipeError(f"{option}: expected comma-separated numbers, got {text!r}") from None
+
+
+def _print_candidate(c) -> None:
+    setting = "as in the recipe" if c.lam is None else f"lambda {c.lam:g}" + (
+        f" density {c.density:g}" if c.density is not None else "")
+    err.print(f"[dim]tune {c.role}: {setting}: perplexity {c.perplexity:.4f}[/]", highlight=False)
 
 
 @app.command()

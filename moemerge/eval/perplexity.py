@@ -104,6 +104,21 @@ def _load(ref: ModelRef, tokenizer):
     return ref, tokenizer, False
 
 
+def load_causal_lm(path: Path) -> tuple:
+    """(model in float32, tokenizer) saved at `path`; moemerge's own MoE kinds included."""
+    model, tokenizer, _ = _load(Path(path), None)
+    return model, tokenizer
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot load a tokenizer from {path}: {exc}") from None
+
+
 def perplexity_table(
     models: Mapping[str, ModelRef],
     texts: Mapping[str, str],

@@ -1,0 +1,145 @@
+"""Coordinate-wise search of λ and density per tensor role, scored by held-out perplexity.
+
+The model of the output architecture is built once as the recipe says and loaded in memory;
+each candidate re-merges only the tensors of one role (with the build's own `compute`, so the
+bytes match a build with those values, DARE masks seeded per tensor as in the build), copies
+them into the model and scores it. The sources of the role being tuned are read once and kept
+in memory ((N + 1) copies of that role's tensors: base and experts), then dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from moemerge.errors import OutputError, RecipeError
+from moemerge.eval.perplexity import perplexity
+from moemerge.execute import Load, compute
+from moemerge.plan.jobs import Job, Plan, Source
+
+TUNABLE_METHODS = ("task_arithmetic", "ties", "dare_linear", "dare_ties")
+ROLE_ORDER = ("embed", "attn", "norm", "ffn", "lm_head")
+# a candidate must beat the best so far by this fraction of its perplexity: smaller gains are
+# rounding (e.g. λ on a zero task vector) or noise of a few-thousand-token text, not signal
+MIN_GAIN = 1e-4
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    text: Path  # the held-out text file
+    lambdas: tuple[float, ...] = (0.3, 0.5, 0.7, 1.0)
+    densities: tuple[float, ...] = (0.5, 0.7, 0.9)
+    max_tokens: int = 8192
+    seq_len: int = 64
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One evaluation. lam/density None: the recipe's own values (the baseline row)."""
+
+    role: str
+    lam: float | None
+    density: float | None
+    perplexity: float
+
+
+@dataclass
+class TuneResult:
+    baseline: float  # perplexity of the build as the recipe says
+    tuned: float  # perplexity with the chosen values
+    candidates: list[Candidate]
+    chosen: dict[str, tuple[float, float | None]]  # role -> (λ, density); absent = recipe's
+
+
+def read_held_out(path: Path) -> str:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"--tune-on: {path} is not a file")
+    text = path.read_text(errors="replace")
+    if not text.strip():
+        raise RecipeError(f"--tune-on: {path} is empty")
+    return text
+
+
+def check_options(opts: TuneOptions) -> None:
+    if not opts.lambdas:
+        raise RecipeError("--tune-lambdas: give at least one value")
+    if not opts.densities or not all(0.0 < d <= 1.0 for d in opts.densities):
+        raise RecipeError(f"--tune-densities: each must be in (0, 1], got {list(opts.densities)}")
+    if opts.seq_len < 1 or opts.max_tokens < opts.seq_len + 1:
+        raise RecipeError(f"--tune-max-tokens ({opts.max_tokens}) must exceed --tune-seq-len "
+                          f"({opts.seq_len}) by at least 1")
+
+
+def tunable_jobs(plan: Plan) -> dict[str, list[Job]]:
+    """{role: merge jobs whose method has a λ}, in ROLE_ORDER; RecipeError when there are none."""
+    by_role: dict[str, list[Job]] = {}
+    for job in plan.jobs:
+        if job.kind == "merge" and job.merge is not None and job.merge.method in TUNABLE_METHODS:
+            by_role.setdefault(job.role, []).append(job)
+    if not by_role:
+        raise RecipeError(
+            "--tune-on: nothing to tune; the recipe's merge uses no method with a lambda or "
+            f"density (tunable: {', '.join(TUNABLE_METHODS)}; average and base have none)"
+        )
+    return {role: by_role[role] for role in ROLE_ORDER if role in by_role}
+
+
+def check_length(tokenizer, text: str, opts: TuneOptions) -> None:
+    n = len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+    if n < opts.seq_len + 1:
+        raise RecipeError(f"--tune-on: {opts.text} has {n} tokens, fewer than one window of "
+                          f"--tune-seq-len + 1 = {opts.seq_len + 1}")
+
+
+def search(model, tokenizer, text: str, plan: Plan, load: Load, seed: int, opts: TuneOptions,
+           report: Callable[[Candidate], None] | None = None) -> TuneResult:
+    """Tune each role in ROLE_ORDER over the grid, the other roles at their best so far; a role
+    keeps the recipe's values unless a grid point beats the best so far by MIN_GAIN."""
+    jobs = tunable_jobs(plan)
+    state = model.state_dict()  # shares storage with the model: copy_ updates it in place
+    missing = [j.output for js in jobs.values() for j in js if j.output not in state]
+    if missing:
+        raise OutputError(f"tuning: the built model has no parameter {missing[0]!r}")
+    cache: dict[Source, torch.Tensor] = {}
+
+    def cached(source: Source) -> torch.Tensor:
+        if source not in cache:
+            cache[source] = load(source)
+        return cache[source]
+
+    def set_role(role: str, lam: float | None, density: float | None) -> None:
+        for job in jobs[role]:
+            params = job.merge
+            if lam is not None:  # density only where the method has one
+                params = replace(params, lam=lam,
+                                 density=density if params.density is not None else None)
+            with torch.no_grad():
+                state[job.output].copy_(compute(replace(job, merge=params), cached, None, seed))
+
+    def score(role: str, lam: float | None, density: float | None) -> float:
+        ppl = perplexity(model, tokenizer, text, seq_len=opts.seq_len, max_tokens=opts.max_tokens)
+        candidates.append(Candidate(role, lam, density, ppl))
+        if report is not None:
+            report(candidates[-1])
+        return ppl
+
+    candidates: list[Candidate] = []
+    best = baseline = score("recipe", None, None)
+    chosen: dict[str, tuple[float, float | None]] = {}
+    for role, role_jobs in jobs.items():
+        with_density = any(j.merge.density is not None for j in role_jobs)
+        scores = {}
+        for lam in opts.lambdas:
+            for density in opts.densities if with_density else (None,):
+                set_role(role, lam, density)
+                scores[lam, density] = score(role, lam, density)
+        point = min(scores, key=scores.__getitem__)  # the first of equals, in grid order
+        if scores[point] < best * (1 - MIN_GAIN):
+            best, chosen[role] = scores[point], point
+        set_role(role, *chosen.get(role, (None, None)))
+        cache.clear()  # only one role's sources in memory at a time
+    return TuneResult(baseline, best, candidates, chosen)
