@@ -29,6 +29,8 @@ def compute(job: Job, load: Load, make_router: MakeRouter | None, seed: int) -> 
         out = torch.zeros(job.shape)
     elif job.kind == "identity":  # [..., r, c]: an identity matrix in every leading slot
         out = torch.eye(*job.shape[-2:]).expand(job.shape)
+    elif job.kind == "lstsq":
+        out = projector_fit(job, load)
     elif job.kind == "random":
         out = torch.randn(job.shape, generator=generator_for(seed, job.output)) * job.std
     elif job.kind == "router":
@@ -49,6 +51,19 @@ def compute(job: Job, load: Load, make_router: MakeRouter | None, seed: int) -> 
             generator=generator_for(seed, job.output),
         )
     return out.to(job.dtype).contiguous()
+
+
+def projector_fit(job: Job, load: Load) -> torch.Tensor:
+    """The least-squares linear map of a bridged projector. shared [V, d_m] = the padded
+    average of the sources (the shared embedding or head, as built), own [V, d_i] = the
+    expert's. proj_in: shared @ Lᵀ ≈ own, L [d_i, d_m]; proj_out: shared @ L ≈ own, L [d_m, d_i]
+    (the shared head on L h gives the expert's own logits)."""
+    width = job.shape[1] if job.role == "proj_in" else job.shape[0]
+    own = load(job.base).float()
+    shared = merge("average", base=None, tensors=[zero_pad(load(s), (own.shape[0], width))
+                                       for s in job.sources], weights=list(job.weights))
+    solution = torch.linalg.lstsq(shared.double(), own.double()).solution  # [d_m, d_i]
+    return solution.T if job.role == "proj_in" else solution
 
 
 def run_jobs(

@@ -9,7 +9,7 @@ import torch
 
 from moemerge.plan.params import ResolvedMerge
 
-JobKind = Literal["copy", "merge", "router", "zeros", "identity", "random"]
+JobKind = Literal["copy", "merge", "router", "zeros", "identity", "random", "lstsq"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,8 @@ class Job:
     identity: ones on the main diagonal of the last two axes (a projector that selects or
               zero-pads coordinates; curvature factors that start at the identity).
     random:   N(0, std²), seeded from (recipe seed, output name).
+    lstsq:    a bridged projector fitted by least squares: the padded average of `sources`
+              (weights) against `base`, the expert's own embedding or head.
     """
 
     output: str

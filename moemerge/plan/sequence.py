@@ -22,6 +22,7 @@ from moemerge.plan.sources import SourceModel
 from moemerge.recipe.sequence import BridgedRecipe, SeqRoutedRecipe
 
 SHARED = {"embed": "embed_tokens.weight", "lm_head": "lm_head.weight"}
+SIDE_ROLE = {"in": "embed", "out": "lm_head"}  # what each projector's lstsq init fits
 PER_EXPERT = {"embed": "experts.{i}.model.embed_tokens.weight",
               "lm_head": "experts.{i}.lm_head.weight"}
 
@@ -119,7 +120,8 @@ def plan_bridged(recipe: BridgedRecipe, models: list[SourceModel]) -> Plan:
         jobs += _body_jobs(i, model, f"experts.{i}.", dtype)
         for side, d_in, d_out in (("in", width, widths[i]), ("out", widths[i], width)):
             jobs += _projector_jobs(f"experts.{i}.proj_{side}", d_in, d_out, recipe, init_range,
-                                    dtype)
+                                    dtype, fit=jobs[0 if side == "in" else 1],
+                                    own=Source(i, role_tensor(model, SIDE_ROLE[side])))
     config = sequence_config(
         "bridged", [m.config for m in models], [m.label for m in models], dtype=dtype,
         width=width, token_source=models[token].config, base=None, shared_embeddings=True,
@@ -129,20 +131,29 @@ def plan_bridged(recipe: BridgedRecipe, models: list[SourceModel]) -> Plan:
 
 
 def _projector_jobs(prefix: str, d_in: int, d_out: int, recipe: BridgedRecipe,
-                    init_range: float, dtype) -> list[Job]:
+                    init_range: float, dtype, *, fit: Job, own: Source) -> list[Job]:
     """linear [d_out, d_in] (+ up [r, d_in], down [d_out, r]). identity: linear selects or pads
-    coordinates and down = 0, so the MLP branch starts silent; random: every weight random."""
+    coordinates; lstsq: linear fits the shared embedding / head (`fit`, its sources) to the
+    expert's own (`own`); both with down = 0, so the MLP branch starts silent. random: every
+    weight random."""
     spec, r = recipe.projectors, recipe.projectors.hidden_size
-    identity = spec.init == "identity"
+    init = spec.init if spec.init != "auto" else (
+        "identity" if len(recipe.experts) == 1 else "lstsq")
 
     def random(name: str, shape: tuple[int, int], std: float) -> Job:
         return Job(f"{prefix}.{name}.weight", shape, dtype, "random", "projector",
                    std=spec.std or std)
 
-    linear = (Job(f"{prefix}.linear.weight", (d_out, d_in), dtype, "identity", "projector")
-              if identity else random("linear", (d_out, d_in), 1 / math.sqrt(d_in)))
+    name = f"{prefix}.linear.weight"
+    linear = {
+        "identity": lambda: Job(name, (d_out, d_in), dtype, "identity", "projector"),
+        # role: which side of the fit the solution is (see execute.compute)
+        "lstsq": lambda: Job(name, (d_out, d_in), dtype, "lstsq", prefix.rsplit(".", 1)[-1],
+                             sources=fit.sources, base=own, weights=fit.weights),
+        "random": lambda: random("linear", (d_out, d_in), 1 / math.sqrt(d_in)),
+    }[init]()
     if not r:
         return [linear]
-    down = (Job(f"{prefix}.down.weight", (d_out, r), dtype, "zeros", "projector") if identity
-            else random("down", (d_out, r), init_range))
+    down = (random("down", (d_out, r), init_range) if init == "random"
+            else Job(f"{prefix}.down.weight", (d_out, r), dtype, "zeros", "projector"))
     return [linear, random("up", (r, d_in), init_range), down]

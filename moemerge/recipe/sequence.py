@@ -44,9 +44,13 @@ class SeqRouterSpec(Strict):
 class ProjectorSpec(Strict):
     """Bridged experts' proj-in (d_m → d_i) and proj-out (d_i → d_m): y = L x + D silu(U x)."""
 
-    init: Literal["identity", "random"] = Field(
-        default="identity", description="identity: L selects (pads) the expert's own d_i "
-        "coordinates and D = 0, so an expert alone reproduces its dense model.")
+    init: Literal["auto", "identity", "lstsq", "random"] = Field(
+        default="auto", description="auto: identity for a lone expert (exact), lstsq for "
+        "several. identity: L selects (pads) the expert's own d_i "
+        "coordinates and D = 0, so an expert alone reproduces its dense model. lstsq: L is the "
+        "least-squares map from the shared embedding to the expert's own (proj-in) and the one "
+        "that makes the shared head give the expert's logits (proj-out), D = 0: the best "
+        "linear start when several experts share the embedding.")
     hidden_size: int = Field(default=0, ge=0, description="Width of the MLP branch (U, D); 0 "
                              "makes the projectors linear.")
     std: float | None = Field(default=None, gt=0.0, description="Std of random weights; "

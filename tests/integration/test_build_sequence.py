@@ -175,3 +175,29 @@ def test_a_fresh_offline_process_loads_the_shipped_code_and_generates(assembly, 
     for name in ("configuration_moemerge.py", "routing_moemerge.py", "modeling_moemerge.py"):
         assert "import moemerge" not in (tmp_path / "moe" / name).read_text()
     assert generate_in_fresh_process(tmp_path / "moe", tmp_path) == ["8", assembly]
+
+
+def test_lstsq_projectors_fit_each_expert_to_the_shared_embedding_and_head(model_factory,
+                                                                            tmp_path):
+    """Least squares, checked against its definition: proj-in maps the shared embedding to the
+    expert's own, and no other linear map does better; with one expert it is the identity."""
+    from safetensors.torch import load_file
+
+    wide = model_factory("llama")
+    narrow = model_factory("qwen2", hidden=16, heads=2, kv_heads=1)
+    path = recipe(tmp_path, "bridged", [str(wide), str(narrow)], projectors="{init: lstsq}")
+    build(path, tmp_path / "moe", progress=False)
+    out = load_file(tmp_path / "moe" / "model.safetensors")
+    own = load_file(narrow / "model.safetensors")["model.embed_tokens.weight"]  # [V, 16]
+    shared = out["embed_tokens.weight"].double()  # [V, 32]
+    fitted = out["experts.1.proj_in.linear.weight"].double()  # [16, 32]
+    residual = (shared @ fitted.T - own).norm()
+    nudged = fitted + 1e-3 * torch.randn(fitted.shape, dtype=torch.float64)
+    assert residual < (shared @ nudged.T - own).norm()
+    # the normal equations: the residual is orthogonal to the shared embedding's columns
+    assert (shared.T @ (shared @ fitted.T - own)).abs().max() < 1e-6 * shared.norm() ** 2
+
+    path = recipe(tmp_path, "bridged", [str(wide)], projectors="{init: lstsq}")
+    build(path, tmp_path / "one", progress=False)
+    torch.testing.assert_close(logits(tmp_path / "one", IDS), logits(wide, IDS),
+                               atol=1e-4, rtol=1e-4)

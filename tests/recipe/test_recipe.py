@@ -105,7 +105,7 @@ def test_sequence_kinds_take_their_defaults():
     assert (seq.experts_per_sequence, seq.router.kind, seq.mix, seq.per_expert) == (
         1, "learned", "logits", [])
     assert (bridged.mix, bridged.projectors.init, bridged.projectors.hidden_size) == (
-        "hidden", "identity", 0)
+        "hidden", "auto", 0)
 
 
 @pytest.mark.parametrize("data, message", [
