@@ -34,7 +34,7 @@ def recipes(ts, narrow: dict[str, Path], seed: int) -> dict[str, list[str]]:
         "seq_ppl": [*seq, "router: {kind: perplexity}"],
         "seq_tv": [*seq, "router: {kind: task_vector}"],
         "bridged": [*moe, "assembly: bridged", *_experts(narrow),
-                    "projectors: {init: identity}"],
+                    "projectors: {init: lstsq}"],
         "merged_none": [*merged, "curvature: {kind: none}"],
         "merged_ca": [*merged, "curvature: {kind: kronecker}"],
     }

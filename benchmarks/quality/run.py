@@ -7,8 +7,8 @@ Per-domain held-out perplexity (each window read as generation would: a prompt o
 only the tokens after the prompt scored) and the mean over domains, for: the base, each expert,
 dense TIES and DARE-TIES merges; token-routed MoEs (average / TIES / DARE-TIES non-FFN merge,
 random router), the average one after router-only training and then a short full fine-tune;
-seq_routed with perplexity and task-vector routing; bridged with a narrower expert (identity
-projectors, then routers + projectors trained); merged_experts with routers trained, without
+seq_routed with perplexity and task-vector routing; bridged with a narrower expert (least-
+squares projectors, then routers + projectors trained); merged_experts with routers trained, without
 and with curvature; and the base trained further on the same data as the full fine-tune (the
 compute-matched dense control). Fine-tuned rows run with --seeds seeds (build seed and data
 order) and report the mean and the min–max over seeds.
@@ -134,7 +134,7 @@ def main() -> None:
         score("seq_routed, perplexity", built["seq_ppl"])
         score("seq_routed, task_vector", built["seq_tv"])
         stage("seq_routed")
-        score("bridged, identity projectors, random router", built["bridged"])
+        score("bridged, least-squares projectors, random router", built["bridged"])
         for s in range(args.seeds):
             tuned = finetune(ts, built["bridged"], work / f"ft{s}-bridged",
                              ["routers", "projectors"], args.steps, args.lr, s, args)
