@@ -101,8 +101,9 @@ def test_router_only_trains_the_sequence_router(seq, toy, tmp_path):
 
 
 def test_projectors_train_alone_or_with_the_router(bridged, toy, tmp_path):
-    """Measured (60 steps, lr 1e-2): mean held-out loss 4.768 → 4.102 training the projectors,
-    → 4.042 training routers and projectors."""
+    """Measured (60 steps, lr 1e-2, least-squares projector init): mean held-out loss
+    4.135 → 4.014 training the projectors, → 3.933 training routers and projectors (identity
+    init: 4.768 → 4.102 / 4.042)."""
     projectors = {n for n in tensors(bridged) if ".proj_in." in n or ".proj_out." in n}
     assert len(projectors) == 12  # 2 experts × in/out × linear, up, down
     for parts, extra in ((["projectors"], set()), (["routers", "projectors"], {"router.weight"})):
@@ -110,7 +111,7 @@ def test_projectors_train_alone_or_with_the_router(bridged, toy, tmp_path):
         result = finetune(config(bridged, out, toy, train=parts))
         assert changed(bridged, out) == projectors | extra
         assert same_side_files(bridged, out)
-        assert mean_loss(result.after) < mean_loss(result.before) - 0.4, parts
+        assert mean_loss(result.after) < mean_loss(result.before) - 0.08, parts
 
 
 def test_the_output_loads_in_a_fresh_process_with_its_shipped_code(bridged, toy, tmp_path):
