@@ -13,6 +13,7 @@ import torch
 
 from moemerge.analysis.routing import expert_labels, load_moe
 from moemerge.errors import CheckpointError, RecipeError
+from moemerge.io.reader import read_config
 from moemerge.modeling import is_sequence_routed
 
 SCHEMA = "moemerge.route/1"
@@ -78,8 +79,7 @@ def route_prompts(model_dir: Path, prompts: list[str], *, router: str | None = N
     model_dir = Path(model_dir)
     overrides = {key: value for key, value in
                  (("router", router), ("num_experts_per_seq", k)) if value is not None}
-    config = json.loads((model_dir / "config.json").read_text()) \
-        if (model_dir / "config.json").is_file() else {}
+    config = read_config(model_dir)
     if not is_sequence_routed(config):
         raise CheckpointError(f"{model_dir}: not a sequence-routed moemerge model (seq_routed or "
                               "bridged); a token-routed MoE routes each token, see `moemerge "

@@ -27,6 +27,7 @@ import yaml
 from moemerge.analysis.data import load_domain_texts
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.eval.perplexity import perplexity
+from moemerge.io.reader import read_config
 from moemerge.modeling import MERGED_MODEL_TYPE, is_sequence_routed, register
 
 SCHEMA = "moemerge.routing/1"  # bump when a key changes meaning or disappears (docs/inspect.md)
@@ -162,7 +163,10 @@ def expert_labels(model_dir: Path, num_experts: int) -> list[str]:
     """Expert names from the recipe copy `build` left in `model_dir` (the expert's `name`, else
     its directory's name; "base" last with include_base_expert), else "expert 0..N-1"."""
     default = [f"expert {e}" for e in range(num_experts)]
-    config = _read_config(model_dir)
+    try:
+        config = read_config(model_dir)
+    except CheckpointError:
+        config = {}  # labels are a nicety: numbered experts will do
     if is_sequence_routed(config) and len(config.get("expert_names") or []) == num_experts:
         return list(config["expert_names"])
     try:
@@ -180,21 +184,13 @@ def expert_labels(model_dir: Path, num_experts: int) -> list[str]:
     return labels if len(labels) == num_experts else default
 
 
-def _read_config(model_dir: Path) -> dict:
-    try:
-        return json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def load_moe(model_dir: Path, **overrides):
     """(model, tokenizer) of a local MoE checkpoint in fp32; clear errors for the wrong kind.
     `overrides` replace config fields (e.g. router="perplexity" for a sequence-routed model)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    if not (model_dir / "config.json").is_file():
-        raise CheckpointError(f"{model_dir}: no config.json; give a model directory")
+    read_config(model_dir)  # a clear error for a missing or broken config.json
     register()  # moemerge's own kinds load with the installed code, not the model dir's
     try:
         moe_shape(AutoConfig.from_pretrained(model_dir), str(model_dir))  # before any weights

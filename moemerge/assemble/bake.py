@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from moemerge.errors import CheckpointError, RecipeError
+from moemerge.errors import RecipeError
 from moemerge.io.atomic import atomic_output_dir, copy_side_files
-from moemerge.io.reader import CheckpointReader
+from moemerge.io.reader import CheckpointReader, read_config
 from moemerge.io.writer import ShardedWriter
 
 CURVATURE = ".mlp.curvature."
@@ -33,7 +33,7 @@ def bake_curvature(model_dir: Path, out: Path, *, force: bool = False,
     from moemerge.modeling import MERGED_MODEL_TYPE, register
 
     model_dir, out = Path(model_dir), Path(out)
-    config = _read_config(model_dir)
+    config = read_config(model_dir)
     if config.get("model_type") != MERGED_MODEL_TYPE:
         raise RecipeError(f"{model_dir}: not a merged-experts model (model_type "
                           f"{config.get('model_type')!r}); only those have curvature to export")
@@ -56,11 +56,3 @@ def bake_curvature(model_dir: Path, out: Path, *, force: bool = False,
             copy_modeling_code(tmp)
     return sorted(baked)
 
-
-def _read_config(model_dir: Path) -> dict:
-    try:
-        return json.loads((model_dir / "config.json").read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{model_dir}: no config.json; give a model directory") from None
-    except ValueError as exc:
-        raise CheckpointError(f"{model_dir}/config.json: not valid JSON: {exc}") from None

@@ -90,6 +90,23 @@ def read_safetensors_header(file: Path) -> dict[str, TensorMeta]:
     return {meta.name: meta for _, meta in sorted(entries, key=lambda e: e[0])}
 
 
+def read_config(directory: Path) -> dict:
+    """A model directory's config.json as a dict; CheckpointError naming the file otherwise."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"model directory {directory} does not exist")
+    file = directory / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing: a model directory needs its config.json")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{file} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{file} is not a JSON object")
+    return config
+
+
 class CheckpointReader:
     """A checkpoint directory opened header-only; `read(name)` loads one tensor."""
 
@@ -98,7 +115,7 @@ class CheckpointReader:
         self.allow_pickle = allow_pickle
         self.max_open_files = max(1, max_open_files)
         self._handles: OrderedDict[Path, Any] = OrderedDict()  # LRU: oldest first
-        self.config = self._read_config()
+        self.config = read_config(self.directory)
         self.metas: dict[str, TensorMeta] = {}
         for file in self._weight_files():
             if file.suffix == ".safetensors":
@@ -110,20 +127,6 @@ class CheckpointReader:
                     raise CheckpointError(
                         f"tensor {name!r} is in both {self.metas[name].file} and {file}")
                 self.metas[name] = meta
-
-    def _read_config(self) -> dict:
-        if not self.directory.is_dir():
-            raise CheckpointError(f"model directory {self.directory} does not exist")
-        file = self.directory / "config.json"
-        if not file.is_file():
-            raise CheckpointError(f"{file} is missing: a model directory needs its config.json")
-        try:
-            config = json.loads(file.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{file} is not valid JSON: {exc}") from None
-        if not isinstance(config, dict):
-            raise CheckpointError(f"{file} is not a JSON object")
-        return config
 
     def _weight_files(self) -> list[Path]:
         d = self.directory

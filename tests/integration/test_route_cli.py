@@ -79,3 +79,10 @@ def test_route_refuses_token_routed_models_and_bad_jsonl(model_factory, tmp_path
     result = runner.invoke(app, ["route", str(seq_moe), str(prompts)])
     assert result.exit_code == 2 and "p.jsonl:1: not a JSON object with a 'text' field" in \
         " ".join(result.output.split())
+
+
+def test_route_names_a_missing_model_directory(tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    result = runner.invoke(app, ["route", str(tmp_path / "nowhere"), str(prompts)])
+    assert result.exit_code == 1 and "nowhere does not exist" in result.output
