@@ -18,7 +18,7 @@ from moemerge.assemble.verify import FULL_LOAD_LIMIT, check_loads, check_structu
 from moemerge.errors import OutputError, RecipeError
 from moemerge.eval.perplexity import load_causal_lm, load_tokenizer
 from moemerge.execute import run_jobs
-from moemerge.io.atomic import atomic_output_dir, copy_side_files
+from moemerge.io.atomic import RECIPE_COPY, SIDE_FILES, atomic_output_dir, copy_side_files
 from moemerge.io.writer import ShardedWriter, parse_size
 from moemerge.plan.build import plan_merge, plan_token_routed
 from moemerge.plan.jobs import Plan, Source
@@ -44,12 +44,6 @@ from moemerge.tune import (
 )
 
 Verify = Literal["auto", "full", "structure"]
-SIDE_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
-    "generation_config.json",
-)
-RECIPE_COPY = "moemerge_recipe.yaml"
 
 
 @dataclass

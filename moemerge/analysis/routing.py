@@ -27,11 +27,11 @@ import yaml
 from moemerge.analysis.data import load_domain_texts
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.eval.perplexity import perplexity
+from moemerge.io.atomic import RECIPE_COPY
 from moemerge.io.reader import read_config
-from moemerge.modeling import MERGED_MODEL_TYPE, is_sequence_routed, register
+from moemerge.modeling import is_merged_experts, is_sequence_routed, register
 
 SCHEMA = "moemerge.routing/1"  # bump when a key changes meaning or disappears (docs/inspect.md)
-RECIPE_COPY = "moemerge_recipe.yaml"  # written next to the weights by `moemerge build`
 
 
 @dataclass
@@ -76,7 +76,7 @@ def moe_shape(config, where: str) -> tuple[int, int]:
     a dense one."""
     if is_sequence_routed(config):
         return len(config.experts), int(config.num_experts_per_seq)
-    if getattr(config, "model_type", None) == MERGED_MODEL_TYPE:
+    if is_merged_experts(config):
         raise CheckpointError(f"{where}: a merged-experts model weighs every expert in every "
                               "segment; it has no top-k routing shares to report")
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)

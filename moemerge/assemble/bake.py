@@ -14,14 +14,12 @@ from pathlib import Path
 import torch
 
 from moemerge.errors import RecipeError
-from moemerge.io.atomic import atomic_output_dir, copy_side_files
+from moemerge.io.atomic import RECIPE_COPY, SIDE_FILES, atomic_output_dir, copy_side_files
 from moemerge.io.reader import CheckpointReader, read_config
 from moemerge.io.writer import ShardedWriter
 
 CURVATURE = ".mlp.curvature."
-KEEP = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-        "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
-        "generation_config.json", "moemerge_recipe.yaml")
+KEEP = (*SIDE_FILES, RECIPE_COPY)
 
 
 def bake_curvature(model_dir: Path, out: Path, *, force: bool = False,
@@ -30,11 +28,11 @@ def bake_curvature(model_dir: Path, out: Path, *, force: bool = False,
     from transformers import AutoModelForCausalLM
 
     from moemerge.assemble.remote_code import copy_modeling_code
-    from moemerge.modeling import MERGED_MODEL_TYPE, register
+    from moemerge.modeling import is_merged_experts, register
 
     model_dir, out = Path(model_dir), Path(out)
     config = read_config(model_dir)
-    if config.get("model_type") != MERGED_MODEL_TYPE:
+    if not is_merged_experts(config):
         raise RecipeError(f"{model_dir}: not a merged-experts model (model_type "
                           f"{config.get('model_type')!r}); only those have curvature to export")
     if config.get("curvature") == "none":

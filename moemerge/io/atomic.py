@@ -59,6 +59,15 @@ def _rename_or_clean(tmp: Path, out: Path) -> None:
         raise
 
 
+# what a model directory carries besides weights and config: tokenizer and generation files
+SIDE_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+    "generation_config.json",
+)
+RECIPE_COPY = "moemerge_recipe.yaml"  # the recipe `moemerge build` leaves next to the weights
+
+
 def copy_side_files(src: Path, dst: Path, names: Iterable[str]) -> list[str]:
     """Copy the files among `names` that exist in `src` (tokenizer files and the like) into
     `dst`, keeping their timestamps; return the names copied."""

@@ -30,7 +30,18 @@ def register() -> None:
         AutoModelForCausalLM.register(config, model, exist_ok=True)
 
 
+def _model_type(config) -> str | None:
+    """model_type of a config.json dict or a config object."""
+    if isinstance(config, dict):
+        return config.get("model_type")
+    return getattr(config, "model_type", None)
+
+
 def is_sequence_routed(config) -> bool:
     """True for a config of moemerge's seq_routed / bridged kinds (a dict or a config object)."""
-    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
-    return get("model_type") == MODEL_TYPE
+    return _model_type(config) == MODEL_TYPE
+
+
+def is_merged_experts(config) -> bool:
+    """True for a config of moemerge's merged_experts kind (a dict or a config object)."""
+    return _model_type(config) == MERGED_MODEL_TYPE

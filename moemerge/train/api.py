@@ -15,7 +15,7 @@ from rich.console import Console
 
 from moemerge.errors import CheckpointError, OutputError, RecipeError
 from moemerge.io.reader import CheckpointReader
-from moemerge.modeling import MERGED_MODEL_TYPE, MODEL_TYPE, register
+from moemerge.modeling import is_merged_experts, is_sequence_routed, register
 from moemerge.train import checkpoint, distributed, loop, report, sharding
 from moemerge.train.config import TrainConfig
 from moemerge.train.data import Blocks, collect_texts, make_blocks
@@ -41,7 +41,7 @@ def _load(cfg: TrainConfig, device: torch.device):
     from moemerge.toy.train import quiet_transformers
 
     with CheckpointReader(Path(cfg.model)) as reader:  # clear errors for a missing/truncated one
-        ours = reader.config.get("model_type") in (MODEL_TYPE, MERGED_MODEL_TYPE)
+        ours = is_sequence_routed(reader.config) or is_merged_experts(reader.config)
     register()  # moemerge's own kinds load with the installed code, not the model dir's
     try:
         with quiet_transformers():
@@ -196,7 +196,7 @@ def _reports(tmp: Path, cfg: TrainConfig, result: FinetuneResult, blocks: Blocks
     write_json(where / "summary.json", {"steps": result.steps, "trained": result.trained,
                                         "before": result.before, "after": result.after})
     config = result.model.config
-    if getattr(config, "model_type", None) == MERGED_MODEL_TYPE:
+    if is_merged_experts(config):
         return  # merged experts weigh every expert per segment: no top-k shares to report
     from moemerge.analysis.routing import expert_labels, routing_report
     from moemerge.analysis.routing_render import plot, summary_table

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from moemerge.errors import MismatchError, OutputError, RecipeError
-from moemerge.modeling import MERGED_MODEL_TYPE, is_sequence_routed
+from moemerge.modeling import is_merged_experts, is_sequence_routed
 
 PROJECTOR_NAMES = ("proj_in", "proj_out")
 PART_MODULES = {  # part: (module names, which models have them)
@@ -40,7 +40,7 @@ def router_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """{name: router module} in layer order; the routers' weights are [experts, hidden]."""
     if is_sequence_routed(model.config):
         return {"router": model.router}
-    if getattr(model.config, "model_type", None) == MERGED_MODEL_TYPE:  # one per FFN
+    if is_merged_experts(model.config):  # one per FFN
         return {f"{name}.router": b.router for name, b in moe_blocks(model, "router").items()}
     return {f"{name}.gate": block.gate for name, block in moe_blocks(model).items()}
 
@@ -102,7 +102,7 @@ def select_trainable(model: torch.nn.Module, parts: list[str], where: str) -> li
 def check_aux_loss(model: torch.nn.Module, coef: float, where: str) -> None:
     """--aux-loss-coef needs router logits to balance: refused for routing that is not learned
     (the model returns no aux_loss), rather than silently training without it."""
-    if coef > 0 and getattr(model.config, "model_type", None) == MERGED_MODEL_TYPE:
+    if coef > 0 and is_merged_experts(model.config):
         raise RecipeError(f"--aux-loss-coef {coef}: {where} merges every expert per segment; "
                           "there is no top-k load to balance; leave it at 0")
     if coef > 0 and not learned_routing(model):
