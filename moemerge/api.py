@@ -144,8 +144,6 @@ def build(
             return models[source.model].reader.read(source.tensor)
 
         def write(dest: Path, recipe: AnyRecipe, plan: Plan, recipe_text: str) -> None:
-            make_router = (None if isinstance(recipe, MergeRecipe | MergedExpertsRecipe)
-                           else _router_maker(recipe, models))
             planned = [(j.output, j.dtype, tuple(j.shape)) for j in plan.jobs]
             with ShardedWriter(dest, planned, max_shard_bytes=max_shard) as writer:
                 jobs = run_jobs(plan, load, make_router, recipe.seed, lookahead=lookahead)
@@ -165,6 +163,9 @@ def build(
             tunable_jobs(plan)
             tokenizer = load_tokenizer(_tokenizer_source(recipe, models).path)
             check_length(tokenizer, held_out, tune)
+        # once per build, after every check: tuning changes merge parameters, never routers
+        make_router = (None if isinstance(recipe, MergeRecipe | MergedExpertsRecipe)
+                       else _router_maker(recipe, models))
         tuning = None
         with atomic_output_dir(out, force=force) as tmp:
             if tune is not None:
