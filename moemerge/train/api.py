@@ -52,9 +52,7 @@ def _load(cfg: TrainConfig, device: torch.device):
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"cannot load a causal LM and its tokenizer from {cfg.model}: "
                               f"{exc}") from None
-    # dtype again: a bf16 seq_routed / bridged checkpoint builds its expert stacks in their own
-    # configs' dtype whatever from_pretrained is told; training runs in fp32
-    return model.to(device=device, dtype=torch.float32), tokenizer
+    return model.to(device), tokenizer
 
 
 def _check_outputs(cfg: TrainConfig, ctx: distributed.Dist) -> None:
