@@ -12,9 +12,10 @@ x E_mᵀ + α Σ_i s_i (x Δ_iᵀ): N + 1 matmuls, no per-token weight matrix.
 
 Routing is causal, by segments of T = segment_length tokens: the tokens of segment k ≥ 1 use
 softmax(router(mean hidden state of segment k − 1)); token t of segment 0 uses the router on the
-mean of tokens 0..t (segment 0 "routes on itself", causally), without gradient. In generation
-the scores are set on the prompt (its last segment's mean) and kept for every generated token.
-Means skip padding (attention_mask 0).
+mean of tokens 0..t (segment 0 "routes on itself", causally), without gradient. Cached decoding
+continues exactly this routing: `MergedCache` carries, per layer, the running sum and count of
+the open segment and of the last closed one, so a token generated at position p gets the scores
+a full forward over the whole sequence gives position p. Means skip padding (attention_mask 0).
 
 Tensor names: the backbone's (model.*, lm_head.weight), and per layer l under
 model.layers.{l}.mlp: reference.{p}.weight (all layers, or layer 0 only when dynamic),
@@ -48,27 +49,49 @@ class FFNWeights(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
 
+class SegmentState:
+    """One layer's routing state between forwards: the sums [B, H] and token counts [B, 1] of
+    the open segment (the one the next token falls in) and of the last closed segment."""
+
+    def __init__(self, open_sum, open_count, closed_sum=None, closed_count=None):
+        self.open_sum, self.open_count = open_sum, open_count
+        self.closed_sum, self.closed_count = closed_sum, closed_count
+
+    def map(self, fn) -> SegmentState:
+        """The same state with `fn` applied to every tensor along the batch axis."""
+        return SegmentState(*(fn(t) if t is not None else None for t in
+                              (self.open_sum, self.open_count, self.closed_sum,
+                               self.closed_count)))
+
+
 class MergedCache(DynamicCache):
-    """The backbone's KV cache plus each layer's generation-time routing scores [B, N]."""
+    """The backbone's KV cache plus each layer's segment-routing state."""
 
     def __init__(self, config):
         try:
             super().__init__(config=config)  # transformers 5
         except TypeError:
             super().__init__()  # transformers 4
-        self.scores: dict[int, torch.Tensor] = {}
+        self.segments: dict[int, SegmentState] = {}
+
+    def _map(self, fn) -> None:
+        self.segments = {layer: state.map(fn) for layer, state in self.segments.items()}
 
     def reorder_cache(self, beam_idx):
         super().reorder_cache(beam_idx)
-        self.scores = {k: v.index_select(0, beam_idx.to(v.device)) for k, v in self.scores.items()}
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int):
         super().batch_repeat_interleave(repeats)
-        self.scores = {k: v.repeat_interleave(repeats, 0) for k, v in self.scores.items()}
+        self._map(lambda t: t.repeat_interleave(repeats, 0))
 
     def batch_select_indices(self, indices):
         super().batch_select_indices(indices)
-        self.scores = {k: v[indices] for k, v in self.scores.items()}
+        self._map(lambda t: t[indices])
+
+    def crop(self, max_length: int):
+        raise NotImplementedError("a merged-experts cache keeps segment sums that cannot be "
+                                  "cropped (assisted / speculative decoding is not supported)")
 
 
 class Step:
@@ -76,7 +99,7 @@ class Step:
 
     weights: list | None = None  # per layer: ({p: E_m}, {p: Δ [N, O, I]})
     cache: MergedCache | None = None
-    decoding = False  # True after the prompt: use the cache's stored scores
+    offset = 0  # position of the first input token: the tokens already in the cache
     mask: torch.Tensor | None = None  # [B, T] attention mask (1 = token)
 
 
@@ -107,31 +130,64 @@ class MergedExpertsMLP(nn.Module):
         return curved, masked
 
     def scores(self, h: torch.Tensor) -> torch.Tensor:
-        """Routing scores of every token: h [B, T, H] -> s [B, T, N]."""
+        """Routing scores of the input tokens: h [B, T, H] at positions offset.. -> s [B, T, N].
+
+        Local segment j holds the tokens of segment first + j (first = offset // T); the open
+        segment's earlier tokens come from the cache's state, added to local segment 0."""
         step, size = self.step, self.config.segment_length
-        stored = step.cache.scores.get(self.layer) if step.cache is not None else None
-        if step.decoding and stored is not None:
-            return stored[:, None, :].expand(h.shape[0], h.shape[1], -1)
-        b, t, _ = h.shape
+        b, t, width = h.shape
+        state = step.cache.segments.get(self.layer) if step.cache is not None else None
+        if step.offset and state is None:
+            raise ValueError("merged-experts decoding needs the MergedCache of the earlier "
+                             "tokens (their segment sums route the next ones)")
         mask = (step.mask[:, -t:] if step.mask is not None else h.new_ones(b, t))[..., None]
         mask = mask.to(h.dtype)
-        segment = torch.arange(t, device=h.device) // size  # [T]
+        first = step.offset // size
+        segment = (torch.arange(t, device=h.device) + step.offset) // size - first  # [T] local
         k = int(segment[-1]) + 1
-        sums = h.new_zeros(b, k, h.shape[-1]).index_add(1, segment, h * mask)
-        counts = h.new_zeros(b, k, 1).index_add(1, segment, mask)
-        means = sums / counts.clamp_min(1.0)  # [B, K, H]
-        first = min(t, size)  # segment 0: running mean of its tokens, no gradient
-        running = ((h[:, :first] * mask[:, :first]).cumsum(1)
-                   / mask[:, :first].cumsum(1).clamp_min(1.0))  # [B, first, H]
-        head = torch.softmax(self.router(running.detach()), -1).detach()  # [B, first, N]
-        rest = torch.softmax(self.router(means[:, :-1]), -1)  # [B, K - 1, N]: k routed by k − 1
-        scores = torch.cat([head, rest[:, segment[first:] - 1]], dim=1)  # [B, T, N]
+        sums = h.new_zeros(b, k, width).index_add(1, segment, h * mask)  # [B, K, H]
+        counts = h.new_zeros(b, k, 1).index_add(1, segment, mask)  # [B, K, 1]
+        if state is not None:
+            carried = F.pad(state.open_sum[:, None], (0, 0, 0, k - 1))
+            sums = sums + carried
+            counts = counts + F.pad(state.open_count[:, None], (0, 0, 0, k - 1))
+        means = sums / counts.clamp_min(1.0)
+        if first > 0:  # local segment 0 is routed by the last closed segment
+            closed = state.closed_sum / state.closed_count.clamp_min(1.0)
+            previous = torch.cat([closed[:, None].to(h.dtype), means[:, :-1]], dim=1)
+            scores = torch.softmax(self.router(previous), -1)[:, segment]  # [B, T, N]
+        else:  # segment 0: running mean of its tokens so far, no gradient
+            n0 = int((segment == 0).sum())
+            run_sum = (h[:, :n0] * mask[:, :n0]).cumsum(1)
+            run_count = mask[:, :n0].cumsum(1)
+            if state is not None:
+                run_sum = run_sum + state.open_sum[:, None]
+                run_count = run_count + state.open_count[:, None]
+            running = run_sum / run_count.clamp_min(1.0)  # [B, n0, H]
+            head = torch.softmax(self.router(running.detach()), -1).detach()
+            rest = torch.softmax(self.router(means[:, :-1]), -1)  # [B, K − 1, N]
+            scores = torch.cat([head, rest[:, segment[n0:] - 1]], dim=1)
         if self.training and self.config.mask == "dare":
             drop = dare_expert_mask((b, k, scores.shape[-1]), self.config.dare_p, h.device)
             scores = scores * drop[:, segment]
-        if step.cache is not None:  # generation keeps routing on the prompt's last segment
-            step.cache.scores[self.layer] = torch.softmax(self.router(means[:, -1]), -1).detach()
+        if step.cache is not None:
+            step.cache.segments[self.layer] = self._next_state(state, sums, counts, first,
+                                                               step.offset + t)
         return scores
+
+    def _next_state(self, state, sums, counts, first: int, end: int) -> SegmentState:
+        """The state after the tokens before position `end`: local segment j = end // T − first
+        is the new open one (empty when `end` starts it), j − 1 the new closed one."""
+        j = end // self.config.segment_length - first
+        sums, counts = sums.detach(), counts.detach()
+        if j < sums.shape[1]:
+            open_sum, open_count = sums[:, j], counts[:, j]
+        else:
+            open_sum, open_count = torch.zeros_like(sums[:, 0]), torch.zeros_like(counts[:, 0])
+        if j == 0:  # still in the same segment: the closed one is unchanged
+            return SegmentState(open_sum, open_count, state.closed_sum if state else None,
+                                state.closed_count if state else None)
+        return SegmentState(open_sum, open_count, sums[:, j - 1], counts[:, j - 1])
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         reference, delta = self.step.weights[self.layer]
@@ -199,7 +255,7 @@ class MoemergeMergedForCausalLM(MoemergeModel, PreTrainedModel, GenerationMixin)
         step = self.step
         step.weights = self.merged_weights()
         step.cache = past_key_values if isinstance(past_key_values, MergedCache) else None
-        step.decoding = past_key_values is not None and past_key_values.get_seq_length() > 0
+        step.offset = past_key_values.get_seq_length() if past_key_values is not None else 0
         step.mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 \
             else None
         try:

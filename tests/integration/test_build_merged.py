@@ -78,24 +78,92 @@ def test_no_output_depends_on_a_later_token(dynamic, model_factory, tmp_path):
         assert not torch.equal(after[:, t:], reference[:, t:])
 
 
-def test_generation_routes_on_the_prompt_and_keeps_it(model_factory, tmp_path):
+def perturbed(model, scale=0.05, router_scale=1.0, seed=0):
+    """Curvature factors moved off the identity and decisive routers: what a fine-tune leaves,
+    so that routing weights, masks and curvature all reach the logits."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".curvature." in name:
+                param.add_(scale * torch.randn(param.shape, generator=gen))
+            elif name.endswith("router.weight"):
+                param.copy_(router_scale * torch.randn(param.shape, generator=gen))
+    return model
+
+
+def decoded_logits(model, ids, prompt, chunk):
+    """Logits of every position of `ids` [B, T]: the prompt in one forward, then `chunk` tokens
+    per forward through the cache, as generation does."""
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :prompt], use_cache=True)
+        pieces, cache = [out.logits], out.past_key_values
+        for start in range(prompt, ids.shape[1], chunk):
+            out = model(input_ids=ids[:, start:start + chunk], past_key_values=cache,
+                        use_cache=True)
+            pieces.append(out.logits)
+    return torch.cat(pieces, dim=1)
+
+
+@pytest.fixture(scope="module")
+def distinct_merged(model_factory, tmp_path_factory):
+    """make(mask, dynamic) -> a 3-expert merged model of distinct experts (FFNs perturbed),
+    rank-2 curvature factors away from the identity, segment_length 4."""
+    root = tmp_path_factory.mktemp("distinct")
     base = model_factory("llama")
-    experts = [perturbed_copy(base, tmp_path / f"e{i}", scale=0.2, seed=i) for i in range(2)]
-    model = load(merged(tmp_path, base, experts, mask="{kind: ties}"))
-    kw = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
-    greedy = model.generate(IDS[:1], **kw)
-    assert greedy.shape == (1, 19)
-    # the same tokens one at a time: the prompt's scores are stored once and reused
-    out = model(input_ids=IDS[:1], use_cache=True)
-    assert set(out.past_key_values.scores) == set(range(len(model.mlps())))
-    tokens, cache = [], out.past_key_values
-    token = out.logits[:, -1:].argmax(-1)
-    for _ in range(6):
-        tokens.append(int(token))
-        out = model(input_ids=token, past_key_values=cache, use_cache=True)
-        token = out.logits[:, -1:].argmax(-1)
-    assert greedy[0, 13:].tolist() == tokens
-    assert model.generate(IDS[:1], num_beams=2, **kw).shape == (1, 19)
+    experts = [perturbed_copy(base, root / f"e{i}", scale=0.2, seed=i, only="mlp")
+               for i in range(3)]
+
+    made = {}
+
+    def make(mask, dynamic):
+        if (mask, dynamic) not in made:
+            out = merged(root, base, experts, name=f"m-{mask}-{dynamic}", curvature="{rank: 2}",
+                         mask=f"{{kind: {mask}}}", dynamic=str(dynamic).lower())
+            made[mask, dynamic] = perturbed(load(out))
+        return made[mask, dynamic]
+
+    return make
+
+
+@pytest.mark.parametrize("mask, dynamic", [("none", False), ("ties", False), ("dare", True),
+                                           ("ties", True)])
+@pytest.mark.parametrize("prompt", [4, 8, 5, 7])  # 4 and 8 divide segment_length, 5 and 7 not
+def test_cached_decoding_equals_the_full_forward(distinct_merged, mask, dynamic, prompt):
+    model = distinct_merged(mask, dynamic)
+    ids = torch.randint(0, 256, (2, 19), generator=torch.Generator().manual_seed(prompt))
+    full = logits(model, ids)
+    for chunk in (1, 3):
+        step = decoded_logits(model, ids, prompt, chunk)
+        torch.testing.assert_close(step, full, atol=1e-5, rtol=0)
+    # the comparison can fail: the routing after the prompt moves the logits far more than
+    # the tolerance (keeping the prompt's scores, as before, would have been caught)
+    stale = model.model.layers[0].mlp.router.weight
+    with torch.no_grad():
+        saved = stale.clone()
+        stale.mul_(0.0)
+        assert (logits(model, ids)[:, prompt:] - full[:, prompt:]).abs().max() > 1e-3
+        stale.copy_(saved)
+
+
+def test_generation_continues_segment_routing(distinct_merged):
+    """Greedy and beam search: every generated token is the argmax of one full forward over the
+    generated sequence (left-padded batch included)."""
+    model = distinct_merged("ties", True)
+    model.generation_config.eos_token_id = None  # all 9 tokens, no early stop
+    kw = {"max_new_tokens": 9, "do_sample": False, "pad_token_id": 0}
+    ids = IDS[:, :6].clone()
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = 0, 0  # row 1 is a left-padded 4-token prompt
+    greedy = model.generate(ids, attention_mask=mask, **kw)
+    assert greedy.shape == (2, 15)
+    full_mask = torch.cat([mask, torch.ones(2, 9, dtype=mask.dtype)], 1)
+    with torch.no_grad():
+        full = model(input_ids=greedy, attention_mask=full_mask).logits
+    assert torch.equal(full[:, 5:-1].argmax(-1), greedy[:, 6:])
+    beams = model.generate(ids[:1], num_beams=3, **kw)
+    assert beams.shape == (1, 15)
+    cache = model(input_ids=ids[:1], use_cache=True).past_key_values
+    assert set(cache.segments) == set(range(len(model.mlps())))
 
 
 def test_dynamic_stores_one_reference_and_reports_the_saving(model_factory, tmp_path):
