@@ -50,6 +50,11 @@ def plan_merged_experts(recipe: MergedExpertsRecipe, models: list[SourceModel]) 
         if recipe.curvature.kind == "kronecker":
             jobs += _curvature_jobs(f"{mlp}.curvature.{proj}", shape, len(experts),
                                     recipe.curvature.rank, layer)
+    if not any(r.role == "lm_head" for r in base.roles.values()):
+        # a tied source stores no head; this model's head is its own tensor (untied)
+        embed = next(n for n, r in base.roles.items() if r.role == "embed")
+        jobs.append(merge_job(embed, "lm_head", None, base.reader.meta(embed).shape, dtype,
+                              recipe.merge, experts, weights, 0, output="lm_head.weight"))
     config = merged_config(
         base.config, [models[m].label for m in experts], dtype=dtype,
         segment_length=recipe.segment_length, alpha=recipe.alpha,

@@ -1,0 +1,63 @@
+"""Checkpoints with the config.json of popular published models, at their real size or shrunk.
+
+The configs (published_configs.json) carry the keys that trip merge tools: tied embeddings (no
+`lm_head.weight` on disk), llama3 rope scaling, Qwen's sliding-window keys present but off, an
+explicit `head_dim` that is not hidden / heads (Qwen3), bf16. `published_model` writes random
+weights in that dtype and the config.json in the publisher's classic keys, as the hub has them
+(not re-serialised by the installed transformers).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from moemerge.toy.train import init_model, quiet_transformers
+
+CONFIGS_FILE = Path(__file__).with_name("published_configs.json")
+SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "vocab_size")
+
+
+@cache
+def published_configs() -> dict[str, dict]:
+    return json.loads(CONFIGS_FILE.read_text())
+
+
+def shrunk_config(name: str, **shape) -> dict:
+    """The published config `name` with the SHAPE_KEYS in `shape` replaced (everything else as
+    published); `max_window_layers` follows the layer count, token ids are clamped to the
+    vocabulary."""
+    config = dict(published_configs()[name])
+    unknown = set(shape) - set(SHAPE_KEYS)
+    if unknown:
+        raise ValueError(f"not shape keys: {sorted(unknown)}")
+    config.update(shape)
+    if "max_window_layers" in config:
+        config["max_window_layers"] = config["num_hidden_layers"]
+    vocab = config["vocab_size"]
+    for key in ("bos_token_id", "eos_token_id"):
+        if isinstance(config.get(key), int) and config[key] >= vocab:
+            config[key] = {"bos_token_id": 1, "eos_token_id": 2}[key]
+    return config
+
+
+def published_model(name: str, out_dir: Path, *, seed: int = 0, tokenizer=None,
+                    dtype: torch.dtype = torch.bfloat16, **shape) -> Path:
+    """Write a random checkpoint with the (shrunk) published config `name` to `out_dir`."""
+    from transformers import AutoConfig
+
+    values = shrunk_config(name, **shape)
+    kwargs = {k: v for k, v in values.items()
+              if k not in ("architectures", "model_type", "torch_dtype", "transformers_version")}
+    config = AutoConfig.for_model(values["model_type"], **kwargs)
+    out_dir = Path(out_dir)
+    with quiet_transformers():
+        init_model(config, seed).to(dtype).save_pretrained(out_dir)
+    (out_dir / "config.json").write_text(json.dumps(values, indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return out_dir

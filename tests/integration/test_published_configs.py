@@ -1,0 +1,84 @@
+"""Every output kind from sources shaped like the checkpoints people merge: the published
+config.json keys (tied embeddings, llama3 rope scaling, Qwen sliding-window keys present but
+off, an explicit head_dim ≠ hidden / heads), bf16 weights, shrunk in size only. Identical experts
+must give the dense model's next-token distribution, loaded in float32."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import write_recipe
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from moemerge.api import build
+from moemerge.toy.published import published_configs, published_model
+
+SHAPES = {  # shrunk in size only; head_dim as the family has it
+    "llama-3.2-1b": {"head_dim": 8},
+    "qwen2.5-1.5b": {},
+    "qwen3-1.7b": {"head_dim": 16},  # hidden / heads = 8: an explicit, different head_dim
+    "mistral-7b-v0.3": {},
+}
+KINDS = {
+    "token_routed": "assembly: token_routed\nexperts_per_token: 2\n",
+    "seq_routed_k1": "assembly: seq_routed\nexperts_per_sequence: 1\n",
+    "seq_routed_k2": "assembly: seq_routed\nexperts_per_sequence: 2\nrouter: {kind: perplexity}\n",
+    "bridged": "assembly: bridged\nexperts_per_sequence: 2\n",
+    "merged_experts": "assembly: merged_experts\nsegment_length: 4\n",
+}
+IDS = torch.randint(4, 300, (2, 11), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("published")
+    made = {}
+
+    def make(name):
+        if name not in made:
+            made[name] = published_model(
+                name, root / name, tokenizer=tokenizer, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=300, **SHAPES[name])
+        return made[name]
+
+    return make
+
+
+def log_probs(path):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 trust_remote_code=True).eval()
+    with torch.no_grad():
+        return F.log_softmax(model(input_ids=IDS).logits, -1)
+
+
+def test_the_sources_are_what_the_hub_has(published):
+    """bf16 on disk, no head when tied, the publisher's classic config keys kept."""
+    for name in SHAPES:
+        path = published(name)
+        config = json.loads((path / "config.json").read_text())
+        assert config["torch_dtype"] == "bfloat16" and "rope_parameters" not in config
+        with safe_open(path / "model.safetensors", "pt") as f:
+            names = set(f.keys())
+            assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+        assert ("lm_head.weight" in names) == (not config["tie_word_embeddings"])
+    assert published_configs()["llama-3.2-1b"]["rope_scaling"]["rope_type"] == "llama3"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", SHAPES)
+def test_identical_experts_give_the_dense_distribution(name, kind, published, tmp_path):
+    dense = published(name)
+    base = "" if kind == "bridged" else f"base_model: {dense}\n"  # bridged takes no base
+    recipe = f"kind: moe\n{base}experts: [{dense}, {dense}]\n{KINDS[kind]}"
+    build(write_recipe(tmp_path / "r.yaml", recipe), tmp_path / "out", progress=False)
+    ours, theirs = log_probs(tmp_path / "out"), log_probs(dense)
+    assert (ours - theirs).abs().max() < 2e-5
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    if kind == "token_routed":  # the rope settings travel in the classic keys
+        source = published_configs()[name]
+        assert config["rope_theta"] == source["rope_theta"]
+        assert config.get("rope_scaling") == source.get("rope_scaling")
+        assert config["tie_word_embeddings"] == source["tie_word_embeddings"]
