@@ -1,0 +1,100 @@
+"""merged_experts as shipped (trust_remote_code) against the plain reference: 3 distinct
+experts, segment_length not dividing the length, rank 1 and 2 curvature with random factors,
+each mask, dynamic on and off; and `moemerge export` against the reference's baked experts."""
+
+import pytest
+import torch
+from conftest import perturbed_copy, write_recipe
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+from moemerge.api import build
+from moemerge.cli import app
+from reference.dense import output_tensors, overwrite
+from reference.merged import merged_experts_model
+
+TOLERANCE = 1e-5
+SEGMENT = 4
+IDS = torch.randint(4, 300, (3, 11), generator=torch.Generator().manual_seed(0))  # 11 % 4 ≠ 0
+
+
+@pytest.fixture(scope="module")
+def sources(model_factory, tmp_path_factory):
+    root = tmp_path_factory.mktemp("merged_sources")
+    base = model_factory("qwen3")
+    experts = [perturbed_copy(base, root / f"e{i}", scale=0.05, seed=20 + i) for i in range(3)]
+    return base, experts
+
+
+def build_merged(tmp_path, base, experts, rank, mask, dynamic, alpha=0.8):
+    curvature = f"{{kind: kronecker, rank: {rank}}}" if rank else "{kind: none}"
+    recipe = "\n".join([
+        "kind: moe", "assembly: merged_experts", f"base_model: {base}",
+        f"experts: [{', '.join(map(str, experts))}]", f"segment_length: {SEGMENT}",
+        f"alpha: {alpha}", f"curvature: {curvature}", f"mask: {{kind: {mask}}}",
+        f"dynamic: {str(dynamic).lower()}"]) + "\n"
+    build(write_recipe(tmp_path / "r.yaml", recipe), tmp_path / "moe", progress=False)
+    # trained-like factors: identity plus noise; decisive routers
+    gen = torch.Generator().manual_seed(3)
+    out = tmp_path / "moe"
+    overwrite(out, lambda n: n.endswith("router.weight"), 20.0, seed=4)
+    tensors = output_tensors(out)
+    for name in [n for n in tensors if ".curvature." in n]:
+        tensors[name] = tensors[name] + 0.1 * torch.randn(tensors[name].shape, generator=gen)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def shipped(out, ids=IDS):
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                 trust_remote_code=True).eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def reference(out, base, experts, rank, mask, dynamic, alpha=0.8, tensors=None):
+    model, baked = merged_experts_model(
+        base, experts, tensors or output_tensors(out), alpha=alpha, segment=SEGMENT, mask=mask,
+        dynamic=dynamic, kronecker=bool(rank))
+    with torch.no_grad():
+        return torch.cat([model(input_ids=row[None]).logits for row in IDS]), baked
+
+
+CASES = [(0, "none", False), (1, "none", False), (2, "ties", False), (1, "dare", False),
+         (2, "none", True), (1, "ties", True), (2, "dare", True)]
+
+
+@pytest.mark.parametrize("rank, mask, dynamic", CASES)
+def test_shipped_equals_the_reference(rank, mask, dynamic, sources, tmp_path):
+    base, experts = sources
+    out = build_merged(tmp_path, base, experts, rank, mask, dynamic)
+    theirs, _ = reference(out, base, experts, rank, mask, dynamic)
+    assert (shipped(out) - theirs).abs().max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("mask", ["none", "ties", "dare"])
+def test_export_writes_the_reference_baked_experts(mask, sources, tmp_path):
+    base, experts = sources
+    out = build_merged(tmp_path, base, experts, 2, mask, True)
+    _, baked = reference(out, base, experts, 2, mask, True)
+    result = CliRunner().invoke(app, ["export", str(out), str(tmp_path / "baked")])
+    assert result.exit_code == 0, result.output
+    written = output_tensors(tmp_path / "baked")
+    worst = max((written[f"model.layers.{layer}.mlp.experts.{i}.{p}.weight"] - w).abs().max()
+                for layer, projs in enumerate(baked) for p, ws in projs.items()
+                for i, w in enumerate(ws))
+    assert worst <= 1e-6
+    theirs, _ = reference(out, base, experts, 2, mask, True)
+    assert (shipped(tmp_path / "baked") - theirs).abs().max() <= TOLERANCE
+
+
+def test_the_comparison_can_fail(sources, tmp_path):
+    """One curvature factor entry changed in the reference's inputs moves it far outside the
+    tolerance of the shipped model."""
+    base, experts = sources
+    out = build_merged(tmp_path, base, experts, 1, "none", False)
+    tensors = output_tensors(out)
+    tensors["model.layers.1.mlp.curvature.up_proj.C"][2, 0, 0, 1] += 0.5
+    theirs, _ = reference(out, base, experts, 1, "none", False, tensors=tensors)
+    assert (shipped(out) - theirs).abs().max() > 100 * TOLERANCE
