@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import time
 
 import pytest
 import torch
@@ -27,9 +26,7 @@ torch.set_num_threads(2)
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_random_model_loads_and_generates(tmp_path, family):
-    start = time.perf_counter()
     path = make_random_model(family, tmp_path / family, seed=1)
-    assert time.perf_counter() - start < 5  # < 1 s when the machine is idle
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     assert model.config.model_type == family
     assert model.config.rope_parameters["rope_theta"] == 10000.0
@@ -110,9 +107,8 @@ def test_second_call_uses_the_cache(tiny_set, monkeypatch):
         raise AssertionError("retrained although the set is cached")
 
     monkeypatch.setattr(experts_module, "make_toy_experts", fail)
-    start = time.perf_counter()
     again = cached_toy_experts(TINY, cache_dir=tiny_set.root.parent.parent, progress=False)
-    assert again.root == tiny_set.root and time.perf_counter() - start < 1
+    assert again.root == tiny_set.root
 
 
 def test_cache_root_from_env_and_interrupted_build_leaves_nothing(tmp_path, monkeypatch):

@@ -50,7 +50,7 @@ def config(moe, out, ts, **kw):
 def run_cli(moe, out, ts, procs=1, **options):
     """`moemerge finetune` in a subprocess with SETTINGS updated by `options` (CLI option names,
     True for a flag), under torchrun (gloo) for procs > 1."""
-    moemerge = shutil.which("moemerge") or pytest.skip("the moemerge script is not installed")
+    moemerge = shutil.which("moemerge") or pytest.fail("the moemerge script is not installed")
     args = [str(moe), str(out), *sum((["--data", d] for d in data_args(ts)), []), "-q"]
     for name, value in (SETTINGS | options).items():
         args += [f"--{name.replace('_', '-')}"] + ([] if value is True else [str(value)])

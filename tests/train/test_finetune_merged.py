@@ -64,6 +64,24 @@ def test_curvature_finetune_lowers_loss_and_export_keeps_outputs(camex):
     assert (outputs[0] - outputs[1]).abs().max() < 1e-5
 
 
+def test_curvature_alone_changes_only_curvature_and_lowers_loss(camex):
+    """--train curvature with the routers frozen. Measured (TINY experts, 20 steps): mean
+    held-out loss 3.5815 -> 3.5458 (seed 0) and -> 3.5459 (seed 1); the test asks for a fall
+    of 0.01, under a third of the measured 0.036."""
+    root, ts = camex
+    cfg = make_config(None, {
+        "model": str(root / "moe"), "output": str(root / "curved"), "train": ["curvature"],
+        "data": [f"{d}={p}" for d, p in ts.train_text.items()], "seq_len": 64,
+        "batch_size": 16, "lr": 1e-2, "steps": 20, "eval_fraction": 0.05, "device": "cpu"})
+    result = finetune(cfg)
+    mean = {stage: sum(v["loss"] for v in values.values()) / len(values)
+            for stage, values in (("before", result.before), ("after", result.after))}
+    assert mean["after"] < mean["before"] - 0.01
+    before, after = tensors(root / "moe"), tensors(root / "curved")
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert changed == {n for n in before if ".curvature." in n}
+
+
 def test_curvature_on_a_model_without_it_is_refused(camex, tmp_path):
     root, ts = camex
     cfg = make_config(None, {"model": str(ts.experts["code"]),
