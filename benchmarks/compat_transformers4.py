@@ -1,7 +1,9 @@
 """Do transformers 4 and 5 compute the same logits from a moemerge output?
 
-Every output kind: token-routed MoEs of each family, and the seq_routed / bridged kinds through
-the modeling code shipped next to their weights (trust_remote_code).
+Every output kind: token-routed MoEs of each family, and the seq_routed / bridged /
+merged_experts kinds through the modeling code shipped next to their weights
+(trust_remote_code); plus a Mixtral from a source with Llama-3.2-1B's published config (tied
+embeddings, llama3 rope scaling), shrunk.
 
 transformers 5 reads `rope_parameters`, transformers 4 reads `rope_theta`; an output that only
 one of them understands loads in the other with the MoE class's defaults (Mixtral: rope_theta
@@ -9,7 +11,7 @@ one of them understands loads in the other with the MoE class's defaults (Mixtra
 family with the installed moemerge (transformers 5), computes logits here, then in a Python that
 has transformers 4.4x (`--python`), and records the max |diff|.
 
-    python3 -m venv /tmp/t4 && /tmp/t4/bin/pip install torch==2.13.0 "transformers>=4.45,<5"
+    python3 -m venv /tmp/t4 && /tmp/t4/bin/pip install torch==2.13.0 "transformers==4.56.2"
     python benchmarks/compat_transformers4.py --python /tmp/t4/bin/python
 """
 
@@ -45,6 +47,18 @@ def logits_in(python: str, model: Path, ids: Path, out: Path) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+def make_base(family: str, path: Path) -> Path:
+    from moemerge.toy.experts import make_random_model
+    from moemerge.toy.published import published_model
+
+    if family == "llama-3.2-1b":
+        return published_model(family, path, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, vocab_size=256,
+                               dtype=torch.float32)
+    return make_random_model(family, path, hidden=64, layers=2, vocab=256)
+
+
 def build_moe(root: Path, family: str, kind: str = "token_routed") -> Path:
     from safetensors.torch import load_file, save_file
 
@@ -53,7 +67,7 @@ def build_moe(root: Path, family: str, kind: str = "token_routed") -> Path:
 
     root = root / f"{family}-{kind}"
     root.mkdir()
-    base = make_random_model(family, root / "base", hidden=64, layers=2, vocab=256)
+    base = make_base(family, root / "base")
     experts = []
     for e in range(2):
         expert = root / f"e{e}"
@@ -70,6 +84,8 @@ def build_moe(root: Path, family: str, kind: str = "token_routed") -> Path:
                       "task_vector}",
         # a narrower Qwen2 next to the first expert, bridged by identity projectors
         "bridged": "experts_per_sequence: 2\nprojectors: {hidden_size: 16}",
+        "merged_experts": f"base_model: {base}\nsegment_length: 8\ncurvature: {{rank: 2}}\n"
+                          "mask: {kind: ties}\ndynamic: true\nrouter: {std: 1.0}",
     }[kind]
     if kind == "bridged":
         experts[1] = make_random_model("qwen2", root / "narrow", hidden=32, layers=3,
@@ -83,7 +99,7 @@ def build_moe(root: Path, family: str, kind: str = "token_routed") -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--python", required=True, help="a Python with transformers 4.4x")
+    parser.add_argument("--python", required=True, help="a Python with transformers 4.5x")
     opts = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -91,7 +107,8 @@ def main() -> None:
         ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
         torch.save(ids, root / "ids.pt")
         cases = [(f, "token_routed") for f in ("llama", "mistral", "qwen2", "qwen3")]
-        cases += [("qwen3", "seq_routed"), ("llama", "bridged")]
+        cases += [("llama-3.2-1b", "token_routed"), ("qwen3", "seq_routed"),
+                  ("llama", "bridged"), ("qwen2", "merged_experts")]
         for family, kind in cases:
             moe = build_moe(root, family, kind)
             v5 = logits_in(sys.executable, moe, root / "ids.pt", root / "v5.pt")

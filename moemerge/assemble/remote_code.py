@@ -11,8 +11,8 @@ import shutil
 from importlib import resources
 from pathlib import Path
 
-MODELING_FILES = ("configuration_moemerge.py", "routing_moemerge.py", "modeling_moemerge.py",
-                  "curvature_moemerge.py", "modeling_merged_moemerge.py")
+MODELING_FILES = ("configuration_moemerge.py", "pretrained_moemerge.py", "routing_moemerge.py",
+                  "modeling_moemerge.py", "curvature_moemerge.py", "modeling_merged_moemerge.py")
 
 
 def copy_modeling_code(directory: Path) -> None:

@@ -31,18 +31,21 @@ def check_structure(directory: Path, plan: Plan) -> None:
                 )
 
 
-def check_loads(directory: Path, *, trust_remote_code: bool = False) -> None:
+def check_loads(directory: Path) -> None:
     """Load with transformers and insist on no missing, unexpected or misshapen tensors
-    (moemerge's own kinds through the modeling code shipped next to the weights)."""
+    (moemerge's own kinds with the installed modeling code, the same files that were copied
+    next to the weights: no code is imported from the output directory)."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from moemerge.modeling import register
+
+    register()
     hf_logging.disable_progress_bar()  # moemerge's own bar is the one the user watches
     try:
         _, info = AutoModelForCausalLM.from_pretrained(
-            directory, output_loading_info=True, dtype=torch.float32,
-            trust_remote_code=trust_remote_code,
+            directory, output_loading_info=True, dtype=torch.float32, trust_remote_code=False,
         )
     except Exception as exc:  # any failure here means the output is not usable
         raise OutputError(f"output check failed: transformers cannot load it: {exc}") from exc

@@ -34,7 +34,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_moemerge import MoemergeMergedConfig
 from .curvature_moemerge import KroneckerCurvature, dare_expert_mask, ties_mask
-from .modeling_moemerge import MoemergeModel, dense_config
+from .pretrained_moemerge import MoemergeModel, dense_config
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 

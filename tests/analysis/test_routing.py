@@ -41,6 +41,11 @@ def moe(model_factory, tmp_path_factory):
     return make
 
 
+def moe_block(layer):
+    """A Mixtral layer's MoE block: `mlp` in transformers 5, `block_sparse_moe` in 4."""
+    return getattr(layer, "mlp", None) or layer.block_sparse_moe
+
+
 @pytest.mark.parametrize("n, k, rows, expected", [
     (2, 1, ([0.0, 1.0], [1.0, 0.0]), ([0.0, 1.0], [1.0, 0.0])),  # layer 0 → 1, layer 1 → 0
     (3, 2, ([2.0, 0.0, 1.0], [0.0, 1.0, 2.0]), ([0.5, 0.0, 0.5], [0.0, 0.5, 0.5])),
@@ -52,8 +57,8 @@ def test_hand_known_routing(moe, n, k, rows, expected):
     with torch.no_grad():
         model.model.embed_tokens.weight[:, 0] = 10.0
         for layer, row in zip(model.model.layers, rows, strict=True):
-            layer.mlp.gate.weight.zero_()
-            layer.mlp.gate.weight[:, 0] = torch.tensor(row)
+            moe_block(layer).gate.weight.zero_()
+            moe_block(layer).gate.weight[:, 0] = torch.tensor(row)
     report = routing_report(model, tokenizer, {"code": TEXT * 5}, seq_len=16)
     domain = report.domains["code"]
     assert report.labels == [f"expert {e}" for e in range(n)] and report.layers == [0, 1]
@@ -65,7 +70,7 @@ def test_shares_match_top_k_of_the_captured_router_inputs(moe):
     """Oracle: the MoE blocks' inputs h (captured by separate hooks) give top-k(h·Wᵀ) counts."""
     model, tokenizer = load_moe(moe(3, 2))
     captured: dict[int, list[torch.Tensor]] = {0: [], 1: []}
-    handles = [layer.mlp.register_forward_pre_hook(
+    handles = [moe_block(layer).register_forward_pre_hook(
         lambda m, args, i=i: captured[i].append(args[0].reshape(-1, args[0].shape[-1])))
         for i, layer in enumerate(model.model.layers)]
     texts = {"code": TEXT * 8, "math": MATH}
@@ -82,7 +87,7 @@ def test_shares_match_top_k_of_the_captured_router_inputs(moe):
         assert result.tokens == routed
         for layer, h in captured.items():
             h = torch.cat(h)[offset: offset + routed]  # [tokens, hidden]
-            chosen = (h @ model.model.layers[layer].mlp.gate.weight.T).topk(2).indices
+            chosen = (h @ moe_block(model.model.layers[layer]).gate.weight.T).topk(2).indices
             counts = torch.bincount(chosen.flatten(), minlength=3)
             assert result.share[layer] == pytest.approx((counts / (2 * routed)).tolist())
             assert sum(result.share[layer]) == pytest.approx(1.0)
