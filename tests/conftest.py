@@ -39,7 +39,7 @@ model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True
 assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
 out = model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=4, do_sample=False,
                      pad_token_id=0)
-print(out.shape[1], model.config.assembly)
+print(out.shape[1], getattr(model.config, "assembly", model.config.model_type))
 """
 
 

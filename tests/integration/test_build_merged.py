@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import FAMILIES, perturbed_copy, write_recipe
+from conftest import FAMILIES, generate_in_fresh_process, perturbed_copy, write_recipe
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
@@ -211,3 +211,12 @@ def test_export_bakes_the_curvature_and_keeps_the_outputs(model_factory, tmp_pat
     assert (logits(tuned, ids) - logits(model, ids)).abs().max() < 1e-5
     again = CliRunner().invoke(app, ["export", str(tmp_path / "baked"), str(tmp_path / "x")])
     assert again.exit_code == 2 and "nothing to bake" in again.output
+
+
+def test_a_fresh_offline_process_loads_the_shipped_code_and_generates(model_factory, tmp_path):
+    """With an empty module cache: every file the shipped code imports is next to the weights
+    (transformers 4 copies only a module's direct relative imports)."""
+    base = model_factory("llama")
+    experts = [perturbed_copy(base, tmp_path / f"e{i}", scale=0.1, seed=i) for i in range(2)]
+    out = merged(tmp_path, base, experts, curvature="{rank: 2}", dynamic="true")
+    assert generate_in_fresh_process(out, tmp_path) == ["8", "moemerge_merged"]
