@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from moemerge.api import build
 from moemerge.cli import app
+from moemerge.toy import TINY, cached_toy_experts
 from reference.dense import output_tensors, overwrite
 from reference.merged import merged_experts_model
 
@@ -20,11 +21,19 @@ IDS = torch.randint(4, 300, (3, 11), generator=torch.Generator().manual_seed(0))
 
 
 @pytest.fixture(scope="module")
-def sources(model_factory, tmp_path_factory):
+def source_sets(model_factory, tmp_path_factory):
+    """Perturbed copies of a Qwen3 base, and the TINY experts branched from theirs by training."""
     root = tmp_path_factory.mktemp("merged_sources")
     base = model_factory("qwen3")
-    experts = [perturbed_copy(base, root / f"e{i}", scale=0.05, seed=20 + i) for i in range(3)]
-    return base, experts
+    tiny = cached_toy_experts(TINY, progress=False)
+    return {"perturbed": (base, [perturbed_copy(base, root / f"e{i}", scale=0.05, seed=20 + i)
+                                 for i in range(3)]),
+            "tiny": (tiny.base, list(tiny.experts.values()))}
+
+
+@pytest.fixture(scope="module")
+def sources(source_sets):
+    return source_sets["perturbed"]
 
 
 def build_merged(tmp_path, base, experts, rank, mask, dynamic, alpha=0.8):
@@ -66,8 +75,9 @@ CASES = [(0, "none", False), (1, "none", False), (2, "ties", False), (1, "dare",
 
 
 @pytest.mark.parametrize("rank, mask, dynamic", CASES)
-def test_shipped_equals_the_reference(rank, mask, dynamic, sources, tmp_path):
-    base, experts = sources
+@pytest.mark.parametrize("experts_set", ["perturbed", "tiny"])
+def test_shipped_equals_the_reference(experts_set, rank, mask, dynamic, source_sets, tmp_path):
+    base, experts = source_sets[experts_set]
     out = build_merged(tmp_path, base, experts, rank, mask, dynamic)
     theirs, _ = reference(out, base, experts, rank, mask, dynamic)
     assert (shipped(out) - theirs).abs().max() <= TOLERANCE

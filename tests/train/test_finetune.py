@@ -29,7 +29,7 @@ SETTINGS = {"seq_len": 64, "batch_size": 16, "lr": 1e-2, "steps": 60}
 def toy(tmp_path_factory):
     """(MoE dir, toy set): experts code, prose, math in that order, random routers."""
     root = tmp_path_factory.mktemp("finetune")
-    ts = cached_toy_experts(TINY, cache_dir=tmp_path_factory.mktemp("toycache"), progress=False)
+    ts = cached_toy_experts(TINY, progress=False)
     lines = ["kind: moe", f"base_model: {ts.base}", "experts:"]
     lines += [f"  - {{model: {p}, name: {d}}}" for d, p in ts.experts.items()]
     lines += ["experts_per_token: 2", "merge: {method: average}", "router: {init: random}"]
