@@ -69,6 +69,7 @@ class TaskVectorScorer:
         if not self.names:
             raise ValueError(f"task_vector_params {select} match no parameter of the base model")
         self.experts = experts
+        self._norms: tuple | None = None  # (parameter versions, ‖τ_e‖ [N])
 
     def _params(self, module: torch.nn.Module) -> list[torch.Tensor]:
         params = dict(module.named_parameters())
@@ -76,11 +77,17 @@ class TaskVectorScorer:
 
     @torch.no_grad()
     def norms(self) -> torch.Tensor:
-        """‖τ_e‖ for every expert: [N] (recomputed each call: the experts may be training)."""
-        base = self._params(self.base.model)
-        taus = [[w - b for w, b in zip(self._params(e.model), base, strict=True)]
-                for e in self.experts]
-        return torch.stack([_dot(t, t).sqrt() for t in taus])
+        """‖τ_e‖ for every expert: [N], computed once and again only after a parameter changed
+        (an optimizer step or a load bumps the tensors' versions)."""
+        params = self._params(self.base.model) + [p for e in self.experts
+                                                  for p in self._params(e.model)]
+        key = tuple((p._version, p.data_ptr()) for p in params)
+        if self._norms is None or self._norms[0] != key:
+            base = self._params(self.base.model)
+            taus = [[w - b for w, b in zip(self._params(e.model), base, strict=True)]
+                    for e in self.experts]
+            self._norms = (key, torch.stack([_dot(t, t).sqrt() for t in taus]))
+        return self._norms[1]
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
         base = self._params(self.base.model)

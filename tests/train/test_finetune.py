@@ -91,7 +91,10 @@ def own_share(model_dir, ts) -> dict[str, float]:
 
 def test_router_only_trains_routers_and_nothing_else(toy, tmp_path):
     """Measured (60 steps, batch 16, lr 1e-2): mean held-out loss 3.578 → 3.510; own-expert
-    share of top-2 slots 0.336 on average (random router) → 0.470–0.485 per domain (max 0.5)."""
+    share of top-2 slots 0.336 on average (random router) → 0.470–0.485 per domain (max 0.5).
+    Over data seeds 0 / 1 / 2 the loss fell by 0.068 / 0.060 / 0.067 and the smallest share
+    after was 0.470 / 0.458 / 0.457: the thresholds (a fall of 0.03, shares above 0.43) sit at
+    half the smallest fall and 0.027 under the smallest share."""
     moe, ts = toy
     result = finetune(config(moe, tmp_path / "out", ts))
     out = tmp_path / "out"
