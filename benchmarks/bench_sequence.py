@@ -92,6 +92,21 @@ def cost(ts, seq_dir: Path, prompt_len: int, new_tokens: int, repeats: int) -> l
         rows.append({"router": router, "prompt_tokens": prompt_len, "new_tokens": new_tokens,
                      "forward_s": forward, "forward_ratio": forward[1] / forward[0],
                      "generate_s": generate, "generate_ratio": generate[1] / generate[0]})
+    # as before ‖τ_e‖ was cached: recomputed on every routed call
+    def uncached(call):
+        def run():
+            if moe._scorer is not None:
+                moe._scorer._norms = None
+            return call()
+        return run
+
+    forward = [_median_time(uncached(lambda m=m: m(input_ids=ids)), repeats) for m in (dense, moe)]
+    generate = [_median_time(uncached(lambda m=m: m.generate(ids, **gen)), max(3, repeats // 4))
+                for m in (dense, moe)]
+    rows.append({"router": "task_vector, ‖τ_e‖ recomputed per call (before caching)",
+                 "prompt_tokens": prompt_len, "new_tokens": new_tokens,
+                 "forward_s": forward, "forward_ratio": forward[1] / forward[0],
+                 "generate_s": generate, "generate_ratio": generate[1] / generate[0]})
     return rows
 
 
