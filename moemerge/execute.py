@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from moemerge.merge.least_squares import padded_average_fit
 from moemerge.merge.methods import merge
 from moemerge.merge.primitives import generator_for, zero_pad
 from moemerge.plan.jobs import Job, Plan, Source
@@ -57,12 +58,10 @@ def projector_fit(job: Job, load: Load) -> torch.Tensor:
     """The least-squares linear map of a bridged projector. shared [V, d_m] = the padded
     average of the sources (the shared embedding or head, as built), own [V, d_i] = the
     expert's. proj_in: shared @ Lᵀ ≈ own, L [d_i, d_m]; proj_out: shared @ L ≈ own, L [d_m, d_i]
-    (the shared head on L h gives the expert's own logits)."""
+    (the shared head on L h gives the expert's own logits). Solved from row blocks."""
     width = job.shape[1] if job.role == "proj_in" else job.shape[0]
-    own = load(job.base).float()
-    shared = merge("average", base=None, tensors=[zero_pad(load(s), (own.shape[0], width))
-                                       for s in job.sources], weights=list(job.weights))
-    solution = torch.linalg.lstsq(shared.double(), own.double()).solution  # [d_m, d_i]
+    solution = padded_average_fit([load(s) for s in job.sources], job.weights, load(job.base),
+                                  width)  # [d_m, d_i]
     return solution.T if job.role == "proj_in" else solution
 
 
