@@ -6,7 +6,9 @@ from conftest import perturbed_copy, write_recipe
 from safetensors.torch import load_file
 
 from moemerge.api import build
-from moemerge.merge import methods
+from moemerge.merge import methods, sphere
+from moemerge.merge.dispatch import merge
+from moemerge.merge.primitives import generator_for
 
 
 @pytest.fixture
@@ -51,3 +53,33 @@ def test_ties_with_role_override_matches_the_functions(trio, tmp_path):
     embed = "model.embed_tokens.weight"
     expected = methods.average([t[embed] for t in tensors[1:]], weights=[2.0, 1.0])
     torch.testing.assert_close(out[embed], expected, atol=0, rtol=0)
+
+
+def test_slerp_gradient_over_the_layers(trio, tmp_path):
+    # two layers: t = [0, 1] gives layer 0 the first model and layer 1 the second; tensors
+    # outside the layers take the gradient's first value (mergekit's rule); the attn override
+    # holds t at 0.5 there
+    base, models = trio
+    out = merged(tmp_path, f"kind: merge\nmodels: [{models[0]}, {models[1]}]\n"
+                           "merge:\n  method: slerp\n  t: [0, 1]\n"
+                           "  overrides: [{roles: [attn], layers: [1], t: 0.5}]\n")
+    first, second = (load_file(p / "model.safetensors") for p in models)
+    for name in ("model.layers.0.mlp.up_proj.weight", "model.embed_tokens.weight"):
+        torch.testing.assert_close(out[name], first[name], atol=1e-6, rtol=0)
+    torch.testing.assert_close(out["model.layers.1.mlp.up_proj.weight"],
+                               second["model.layers.1.mlp.up_proj.weight"], atol=1e-6, rtol=0)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    torch.testing.assert_close(out[name], sphere.slerp([first[name], second[name]], 0.5))
+
+
+@pytest.mark.parametrize("method", ["breadcrumbs_ties", "della", "sce", "model_stock",
+                                    "karcher", "multislerp"])
+def test_new_methods_build_and_match_their_functions(method, trio, tmp_path):
+    base, models = trio
+    out = merged(tmp_path, f"kind: merge\nbase_model: {base}\nmodels: [{models[0]}, {models[1]}]\n"
+                           f"seed: 3\nmerge: {{method: {method}}}\n")
+    tensors = [load_file(p / "model.safetensors") for p in (base, *models)]
+    name = "model.layers.1.self_attn.o_proj.weight"
+    expected = merge(method, base=tensors[0][name], tensors=[t[name] for t in tensors[1:]],
+                     generator=generator_for(3, name))
+    torch.testing.assert_close(out[name], expected, atol=0, rtol=0)
