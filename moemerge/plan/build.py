@@ -64,6 +64,10 @@ def merge_job(
 
 def plan_merge(recipe: MergeRecipe, models: list[SourceModel]) -> Plan:
     """Dense merge. models = [base?] + recipe.models, base first when the recipe names one."""
+    if recipe.slices:
+        from moemerge.plan.slices import plan_slices  # slices.py builds on this module
+
+        return plan_slices(recipe, models)
     has_base = recipe.base_model is not None
     base = 0 if has_base else None
     merged = list(range(int(has_base), len(models)))

@@ -44,17 +44,20 @@ def _text(value: object) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value).lower()
 
 
-def at_layer(value: object, layer: int | None, num_layers: int | None) -> object:
-    """A per-layer gradient (a list) evaluated at `layer`: the values are spread evenly from the
-    first layer (fraction 0) to the last (fraction 1) and interpolated linearly; tensors outside
-    the layers (embeddings, final norm, head) take fraction 0 (mergekit's rule). A scalar is
-    returned as is."""
+def at_layer(value: object, index: int | None, count: int | None) -> object:
+    """A per-layer gradient (a list) evaluated at layer `index` of `count` (the model's layers,
+    or a slice's): the values are spread evenly from the first layer (fraction 0) to the last
+    (fraction 1) and interpolated linearly; tensors outside the layers (embeddings, final
+    norm, head) take fraction 0 and a one-layer slice fraction 1 (mergekit's rules). A scalar
+    is returned as is."""
     if not isinstance(value, list):
         return value
     if len(value) == 1:
         return value[0]
-    fraction = 0.0 if layer is None or not num_layers or num_layers < 2 else (
-        layer / (num_layers - 1))
+    if index is None or not count:
+        fraction = 0.0
+    else:
+        fraction = 1.0 if count == 1 else index / (count - 1)
     scaled = fraction * (len(value) - 1)
     low = int(scaled)
     high = min(len(value) - 1, low + 1)
@@ -62,9 +65,12 @@ def at_layer(value: object, layer: int | None, num_layers: int | None) -> object
 
 
 def resolve_merge(spec: MergeSpec, role: str, layer: int | None,
-                  num_layers: int | None = None) -> ResolvedMerge:
+                  num_layers: int | None = None, *,
+                  at: tuple[int | None, int | None] | None = None) -> ResolvedMerge:
     """Start from the spec's top-level fields, then apply matching overrides in order; then
-    the method's defaults for what is still unset."""
+    the method's defaults for what is still unset. Gradients are evaluated at `at` = (index,
+    count) when given (a layer of a slice), else at (layer, num_layers)."""
+    index, count = at if at is not None else (layer, num_layers)
     method = spec.method
     given = {name: getattr(spec, field) for name, field in param_fields().items()}
     for override in spec.overrides:
@@ -79,6 +85,6 @@ def resolve_merge(spec: MergeSpec, role: str, layer: int | None,
                 given[name] = value
     method_spec = get(method)
     return ResolvedMerge(method, tuple(
-        (p.name, p.default if given.get(p.name) is None else at_layer(given[p.name], layer,
-                                                                      num_layers))
+        (p.name, p.default if given.get(p.name) is None else at_layer(given[p.name], index,
+                                                                      count))
         for p in method_spec.params))

@@ -74,12 +74,24 @@ class MergeRecipe(_RecipeBase):
 
     kind: Literal["merge"]
     base_model: ModelRef | None = None
-    models: list[ModelRef] = Field(min_length=1)
+    models: list[ModelRef] = Field(default_factory=list, description="The models to merge "
+                                   "(or `slices`).")
+    slices: list[Slice] | None = Field(default=None, description="The output's layers as "
+                                       "slices of the inputs' (moemerge/recipe/slices.py).")
     merge: MergeSpec = MergeSpec()
+
+    @property
+    def inputs(self) -> list[ModelRef]:
+        """The checkpoints merged: `models`, or those the slices read."""
+        return slice_models(self.slices) if self.slices else self.models
 
     @model_validator(mode="after")
     def _methods_fit(self) -> MergeRecipe:
-        problems = method_problems(self.merge, len(self.models),
+        if bool(self.models) == bool(self.slices):
+            raise ValueError("models: give the models to merge, or `slices` (layer ranges of "
+                             "them), " + ("not both" if self.models else "one of them"))
+        most = max(len(s.sources) for s in self.slices) if self.slices else len(self.models)
+        problems = method_problems(self.merge, most,
                                    has_base=self.base_model is not None, moe=False)
         if problems:
             raise ValueError("; ".join(problems))
@@ -127,3 +139,8 @@ class MoERecipe(_RecipeBase):
                     "missing for " + ", ".join(missing)
                 )
         return self
+
+
+from moemerge.recipe.slices import Slice, slice_models  # noqa: E402  (slices.py uses ModelRef)
+
+MergeRecipe.model_rebuild()
