@@ -4,7 +4,7 @@ Exit codes scripts can rely on: 0 success, 1 runtime error (bad or missing check
 between models, failed output check), 2 recipe or usage error, 130 interrupted.
 """
 
-from moemerge.cli import build, demo, export, finetune, inspect, route  # noqa: F401
+from moemerge.cli import build, demo, export, finetune, inspect, methods, route  # noqa: F401
 from moemerge.cli.app import app
 
 __all__ = ["app"]

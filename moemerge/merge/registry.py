@@ -77,6 +77,14 @@ class MethodSpec:
     weights: bool = True  # uses the models' `weight`
     random: bool = False  # takes the per-tensor generator
     moe: str | None = None  # why it cannot merge the non-FFN tensors of an MoE, if it cannot
+    constraint: Callable[[dict], str | None] | None = None  # across parameters, on scalars
+
+    def problem(self, values: dict[str, object]) -> str | None:
+        """Why these parameter values (defaults filled in) do not go together, or None."""
+        full = {p.name: values.get(p.name, p.default) for p in self.params}
+        if self.constraint is None or any(isinstance(v, list) for v in full.values()):
+            return None
+        return self.constraint(full)
 
     @property
     def needs_base(self) -> bool:
@@ -107,13 +115,13 @@ ZERO_VOTE = Param("zero_vote", ("none", "positive"), "none", "sign elected where
 CONSENSUS = Param("consensus", ("sum", "count"), "sum", "sign election by mass (sum of the "
                   "weighted task vectors) or by count (sum of their signs)")
 RESCALE = Param("rescale", ("expectation", "l1", "none"), "expectation", "survivors × 1/p (p "
-                "their keep probability), × |τ|₁/|kept|₁ per tensor (mergekit), or not at all")
+                "their keep probability), × ‖τ‖₁/‖kept‖₁ per tensor (mergekit), or not at all")
 GAMMA = Param("gamma", float, 0.01, "fraction of largest-magnitude entries dropped",
               low=0.0, high=1.0, low_closed=True, high_open=True)
 EPSILON = Param("epsilon", float, 0.15, "keep probabilities spread over density ± epsilon by "
                 "magnitude rank", low=0.0, high=1.0, low_closed=True, high_open=True)
 T = Param("t", float, 0.5, "interpolation factor: 0 gives the first model, 1 the second",
-          low=0.0, high=1.0, low_closed=True, tunable=True)
+          low=0.0, high=1.0, low_closed=True)
 MAX_ITER = Param("max_iter", int, 10, "Karcher iterations at most", low=0, low_closed=False)
 TOL = Param("tol", float, 1e-5, "Karcher stopping tolerance (tangent norm)", low=0.0)
 FILTER_WISE = Param("filter_wise", bool, False, "one angle per output row instead of one per "
@@ -121,6 +129,14 @@ FILTER_WISE = Param("filter_wise", bool, False, "one angle per output row instea
 TOPK = Param("select_topk", float, 1.0, "fraction of entries kept, those of largest variance "
              "across the models", low=0.0, high=1.0)
 CONSENSUS_PARAMS = (NORMALIZE, ZERO_VOTE, CONSENSUS)
+
+
+def _della_fits(v: dict) -> str | None:
+    d, e = v["density"], v["epsilon"]
+    if d < 1 and not (0 < d - e and d + e < 1):
+        return f"density ± epsilon must lie in (0, 1); got density {d:g}, epsilon {e:g}"
+    return None
+
 _M = "moemerge.merge."
 
 
@@ -152,10 +168,10 @@ METHOD_SPECS = (
           "sparse:breadcrumbs_ties"),
     _spec("della", "magnitude-ranked random drop (MagPrune), then TIES's election and mean",
           "Deep et al. 2024", "required", (DENSITY, EPSILON, LAMBDA, RESCALE, *CONSENSUS_PARAMS),
-          "sparse:della", random=True),
+          "sparse:della", random=True, constraint=_della_fits),
     _spec("della_linear", "magnitude-ranked random drop (MagPrune), then task arithmetic",
           "Deep et al. 2024", "required", (DENSITY, EPSILON, LAMBDA, NORMALIZE, RESCALE),
-          "sparse:della_linear", random=True),
+          "sparse:della_linear", random=True, constraint=_della_fits),
     _spec("sce", "select by variance, weight by mean square, erase minority signs",
           "Wan et al. 2024, FuseChat", "required", (TOPK, LAMBDA, ZERO_VOTE), "sparse:sce",
           weights=False),

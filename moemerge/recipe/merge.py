@@ -68,6 +68,11 @@ MergeParams = create_model(
 )
 
 
+def _values(params: _Params) -> dict[str, object]:
+    values = {n: getattr(params, f) for n, f in param_fields().items()}
+    return {n: v for n, v in values.items() if v is not None}
+
+
 def _unused(method: str, given: set[str]) -> str | None:
     spec = REGISTRY[method]
     extra = sorted(given - {p.name for p in spec.params})
@@ -104,10 +109,12 @@ class MergeSpec(MergeParams):
     def _params_fit_methods(self) -> MergeSpec:
         """A parameter given for a method that does not take it is an error, not ignored. An
         override without `method` may set the parameters of any method of this block."""
-        problems = [_unused(self.method, self.given())]
+        problems = [_unused(self.method, self.given()),
+                    REGISTRY[self.method].problem(_values(self))]
         for i, o in enumerate(self.overrides):
             if o.method:
                 problems.append(_unused(o.method, o.given()))
+                problems.append(REGISTRY[o.method].problem({**_values(self), **_values(o)}))
             elif all(_unused(m, o.given()) for m in self.methods):
                 problems.append(f"overrides.{i}: " + _unused(self.method, o.given()))
         problems = [p for p in problems if p]

@@ -18,7 +18,7 @@ import torch
 from moemerge.errors import OutputError, RecipeError
 from moemerge.eval.perplexity import perplexity
 from moemerge.execute import Load, compute
-from moemerge.merge.registry import METHOD_SPECS
+from moemerge.merge.registry import METHOD_SPECS, get
 from moemerge.plan.jobs import Job, Plan, Source
 
 # from the registry: the methods whose `lambda` is tunable (density is tuned where they have one)
@@ -113,6 +113,12 @@ def search(model, tokenizer, text: str, plan: Plan, load: Load, seed: int, opts:
             cache[source] = load(source)
         return cache[source]
 
+    def fits(role: str, lam: float, density: float | None) -> bool:
+        """Whether every job of the role takes these values (DELLA: density ± epsilon)."""
+        return all(get(j.merge.method).problem(
+            j.merge.with_values(**{"lambda": lam, "density": density}).params) is None
+            for j in jobs[role])
+
     def set_role(role: str, lam: float | None, density: float | None) -> None:
         for job in jobs[role]:
             params = job.merge
@@ -136,10 +142,12 @@ def search(model, tokenizer, text: str, plan: Plan, load: Load, seed: int, opts:
         scores = {}
         for lam in opts.lambdas:
             for density in opts.densities if with_density else (None,):
+                if not fits(role, lam, density):
+                    continue  # e.g. DELLA's density + epsilon >= 1: not a valid merge
                 set_role(role, lam, density)
                 scores[lam, density] = score(role, lam, density)
-        point = min(scores, key=scores.__getitem__)  # the first of equals, in grid order
-        if scores[point] < best * (1 - MIN_GAIN):
+        point = min(scores, key=scores.__getitem__) if scores else None  # first of equals
+        if point is not None and scores[point] < best * (1 - MIN_GAIN):
             best, chosen[role] = scores[point], point
         set_role(role, *chosen.get(role, (None, None)))
         cache.clear()  # only one role's sources in memory at a time

@@ -2,14 +2,19 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from moemerge.cli import app
+from moemerge.merge.reference import BEGIN, END, markdown
 from moemerge.merge.registry import METHOD_NAMES, REGISTRY, all_params
 from moemerge.recipe import parse_recipe, recipe_errors
 from moemerge.recipe.merge import MergeSpec, param_fields
 from moemerge.tune.search import TUNABLE_METHODS
 
+REPO = Path(__file__).resolve().parents[2]
 DENSE = {"kind": "merge", "base_model": "b", "models": ["x", "y"]}
 MOE = {"kind": "moe", "base_model": "b", "experts": ["x", "y"]}
 
@@ -55,6 +60,9 @@ def test_tunable_methods_come_from_the_registry():
     ({"method": "ties", "overrides": [{"roles": ["attn"], "gamma": 0.1}]},
      "overrides.0: gamma: not a parameter of ties"),
     ({"method": "karcher", "max_iter": 0}, "merge.max_iter: must be in (0, inf)"),
+    ({"method": "della", "density": 0.9}, "density ± epsilon must lie in (0, 1)"),
+    ({"method": "average", "overrides": [{"roles": ["attn"], "method": "della_linear",
+                                          "epsilon": 0.7}]}, "density ± epsilon"),
 ])
 def test_parameters_are_checked_against_the_method(merge, message):
     errors = recipe_errors({**DENSE, "merge": merge})
@@ -87,3 +95,21 @@ def test_new_methods_are_valid_in_every_kind_that_merges():
         parse_recipe({**MOE, "assembly": "merged_experts", "merge": {"method": method}})
         parse_recipe({"kind": "moe", "assembly": "seq_routed", "base_model": "b",
                       "experts": ["x", "y"], "merge": {"method": method}})
+
+
+def test_the_docs_tables_are_generated_from_the_registry():
+    text = (REPO / "docs" / "merge-methods.md").read_text()
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    assert text[start:end] == markdown(), (
+        "docs/merge-methods.md is stale: python -m moemerge.merge.reference docs/merge-methods.md")
+    for name in METHOD_NAMES:  # and every method has its formula
+        assert f"| `{name}` | " in text[end:], name
+
+
+def test_methods_command_lists_the_registry():
+    result = CliRunner().invoke(app, ["methods"], terminal_width=200)
+    assert result.exit_code == 0 and all(n in result.output for n in METHOD_NAMES)
+    result = CliRunner().invoke(app, ["methods", "della"], terminal_width=200)
+    assert result.exit_code == 0 and "epsilon" in result.output and "0.15" in result.output
+    result = CliRunner().invoke(app, ["methods", "slurp"])
+    assert result.exit_code == 2
