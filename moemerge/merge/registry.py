@@ -59,7 +59,9 @@ class Param:
                                                 else value <= self.low)
             bad_high = self.high is not None and (value >= self.high if self.high_open
                                                   else value > self.high)
-            if bad_low or bad_high or value != value or value in (float("inf"), float("-inf")):
+            if value != value or value in (float("inf"), float("-inf")):
+                return f"must be a finite number, got {value}"
+            if bad_low or bad_high:
                 return f"must be in {self.range_text()}, got {value}"
         return None
 

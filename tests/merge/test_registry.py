@@ -61,6 +61,8 @@ def test_tunable_methods_come_from_the_registry():
      "overrides.0: gamma: not a parameter of ties"),
     ({"method": "karcher", "max_iter": 0}, "merge.max_iter: must be in (0, inf)"),
     ({"method": "della", "density": 0.9}, "density ± epsilon must lie in (0, 1)"),
+    ({"method": "ties", "lambda": float("inf")}, "merge.lambda: must be a finite number"),
+    ({"method": "slerp", "t": [0.5, float("nan")]}, "merge.t: must be a finite number"),
     ({"method": "average", "overrides": [{"roles": ["attn"], "method": "della_linear",
                                           "epsilon": 0.7}]}, "density ± epsilon"),
 ])
