@@ -191,6 +191,12 @@ def test_moe_maps_gate_mode_and_copies_the_base():
     assert random.recipe["router"] == {"init": "random", "std": 1.0}
 
 
+def test_karcher_drops_weights_mergekit_ignores():
+    result = imported(KARCHER.replace("{model: a/x}", "{model: a/x, parameters: {weight: 3}}"))
+    assert result.recipe["models"] == [{"model": "a/x"}, {"model": "b/y"}]
+    assert any("karcher ignores" in n for n in result.notes)
+
+
 def test_revision_syntax():
     r = imported(LINEAR.replace("psmathur/orca_mini_v3_13b", "org/m@v2")).recipe
     assert r["models"][0] == {"model": "org/m", "revision": "v2", "weight": 1.0}

@@ -44,6 +44,11 @@ def convert_yaml(data: dict, notes: list[str]) -> dict:
                             enumerate(data["slices"])]
     else:
         recipe["models"] = _models(data.get("models") or [], base, spec, per_model)
+    if method == "karcher":  # mergekit's karcher weighs every input equally
+        weighted = [m for m in recipe.get("models", []) if m.pop("weight", None) is not None]
+        if weighted:
+            notes.append("weight: not carried: mergekit's karcher ignores the models' weights "
+                         "(moemerge's would use them)")
     merge.update({k: v for k, v in per_model.items() if k != "weight"})
     merge.update(conventions(method, merge))
     if base is not None and spec.base != "ignored":
