@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
 
 from moemerge.api import build
@@ -116,6 +117,39 @@ def exact_rows(root, bin_dir, models) -> list[dict]:
     return rows
 
 
+def moe_row(root: Path, bin_dir: Path, models) -> dict:
+    """mergekit-moe (random gates) against the recipe `import-mergekit` makes of its config:
+    every parameter but the routers, compared as loaded by transformers (the two tools write
+    different tensor names for the same model)."""
+    from transformers import AutoModelForCausalLM
+
+    from moemerge.recipe.mergekit import convert, render
+
+    config = yaml.safe_dump({"base_model": str(models[0]), "gate_mode": "random",
+                             "dtype": "float32", "experts": [
+        {"source_model": str(m), "positive_prompts": [f"prompt {i}"]}
+        for i, m in enumerate(models[1:])]})
+    (root / "moe.mergekit.yaml").write_text(config)
+    subprocess.run([str(bin_dir / "mergekit-moe"), str(root / "moe.mergekit.yaml"),
+                    str(root / "moe.mergekit"), "--random-seed", "0", "--quiet",
+                    "--i-understand-this-is-not-useful-without-training"], check=True,
+                   capture_output=True)
+    recipe = root / "moe.moemerge.yaml"
+    recipe.write_text(render(convert(yaml.safe_load(config)), "moe.mergekit.yaml"))
+    build(recipe, root / "moe.moemerge", progress=False, force=True, verify="structure")
+    states = [AutoModelForCausalLM.from_pretrained(root / f"moe.{tool}",
+                                                   dtype=torch.float32).state_dict()
+              for tool in ("mergekit", "moemerge")]
+    routers = {k for k in states[0] if k.endswith("mlp.gate.weight")}
+    assert states[0].keys() == states[1].keys() and routers
+    delta = max((states[0][k] - states[1][k]).abs().max().item()
+                for k in states[0] if k not in routers)
+    print(f"mergekit-moe (random gates)  {delta:.3g}", flush=True)
+    return {"method": "mergekit-moe, 3 experts (all but the routers)", "mergekit": "mergekit-moe",
+            "options": "the recipe import-mergekit writes (merge: base)",
+            "max_abs_delta": delta}
+
+
 def statistics(out: dict, base: dict, tuned: dict) -> dict:
     """Over all tensors of a one-model merge: Δ = out − base against τ = tuned − base."""
     kept = total = l1_out = l1_tau = l1_tau_kept = 0.0
@@ -190,6 +224,7 @@ def main() -> None:
         meta = {"mergekit": version, "torch": torch.__version__, "hidden": opts.hidden,
                 "layers": opts.layers, "params": params}
         exact = exact_rows(root, bin_dir, models)
+        exact.append(moe_row(root, bin_dir, models))
         randoms = random_rows(root, bin_dir, models)
     report(meta, exact, randoms)
 
