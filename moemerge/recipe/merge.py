@@ -124,8 +124,9 @@ class MergeSpec(MergeParams):
 
 
 def method_problems(merge: MergeSpec, n_models: int, *, has_base: bool, moe: bool) -> list[str]:
-    """What the methods of a `merge` block cannot do with these inputs: a missing base, too few
-    or too many models, a method that makes no sense for an MoE's shared tensors."""
+    """What the methods of a `merge` block cannot do with these inputs (n_models: the models,
+    experts, or one slice's sources): a missing base, too few or too many models, a method that
+    makes no sense for an MoE's shared tensors."""
     problems = []
     needing = sorted(merge.methods & METHODS_NEEDING_BASE)
     if needing and not has_base:
@@ -137,8 +138,8 @@ def method_problems(merge: MergeSpec, n_models: int, *, has_base: bool, moe: boo
                             f"{spec.moe}")
         elif spec.target and n_models < spec.min_models:
             problems.append(f"merge.method: {name} needs at least {spec.min_models} models to "
-                            f"merge, the recipe has {n_models}")
+                            f"merge, got {n_models}")
         elif spec.target and spec.max_models and n_models > spec.max_models:
-            problems.append(f"merge.method: {name} merges at most {spec.max_models} models, the "
-                            f"recipe has {n_models}")
+            problems.append(f"merge.method: {name} merges at most {spec.max_models} models, "
+                            f"got {n_models}")
     return problems

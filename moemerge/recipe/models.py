@@ -90,11 +90,12 @@ class MergeRecipe(_RecipeBase):
         if bool(self.models) == bool(self.slices):
             raise ValueError("models: give the models to merge, or `slices` (layer ranges of "
                              "them), " + ("not both" if self.models else "one of them"))
-        most = max(len(s.sources) for s in self.slices) if self.slices else len(self.models)
-        problems = method_problems(self.merge, most,
-                                   has_base=self.base_model is not None, moe=False)
+        counts = sorted({len(s.sources) for s in self.slices}) if self.slices else [
+            len(self.models)]
+        problems = [p for n in counts for p in method_problems(
+            self.merge, n, has_base=self.base_model is not None, moe=False)]
         if problems:
-            raise ValueError("; ".join(problems))
+            raise ValueError("; ".join(dict.fromkeys(problems)))
         return self
 
 

@@ -79,10 +79,14 @@ def test_an_override_may_set_a_parameter_of_another_method_of_the_block():
 
 @pytest.mark.parametrize("data, message", [
     ({**DENSE, "models": ["x", "y", "z"], "merge": {"method": "slerp"}},
-     "slerp merges at most 2 models, the recipe has 3"),
+     "slerp merges at most 2 models, got 3"),
     ({**DENSE, "models": ["x"], "merge": {"method": "model_stock"}},
      "model_stock needs at least 2 models"),
     ({**MOE, "merge": {"method": "passthrough"}}, "passthrough cannot merge an MoE's shared"),
+    ({"kind": "merge", "merge": {"method": "slerp"}, "slices": [
+        {"model": "a", "layers": [0, 2]},
+        {"sources": [{"model": "a", "layers": [0, 1]}, {"model": "b", "layers": [0, 1]}]}]},
+     "slerp needs at least 2 models to merge, got 1"),
     ({**DENSE, "base_model": None, "merge": {"method": "della"}},
      "base_model: merge method(s) della need a base_model"),
 ])
