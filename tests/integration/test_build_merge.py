@@ -106,6 +106,8 @@ def test_passthrough_slices_stack_layers(trio, tmp_path):
     assert torch.equal(out["model.norm.weight"], b["model.norm.weight"])
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert len(model.model.layers) == 3
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "2 slices of their layers stacked" in card and f"{models[1]} [1, 2]" in card
 
 
 def test_slices_with_several_sources_merge_layer_by_layer(trio, tmp_path):
