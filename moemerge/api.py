@@ -60,7 +60,7 @@ def _labelled_refs(recipe: AnyRecipe) -> list[tuple[str, object]]:
         refs.append(("base", recipe.base_model))
     if getattr(recipe, "reference", None) is not None:
         refs.append(("reference", recipe.reference))
-    inputs = recipe.models if isinstance(recipe, MergeRecipe) else recipe.experts
+    inputs = recipe.inputs if isinstance(recipe, MergeRecipe) else recipe.experts
     for ref in inputs:
         label = getattr(ref, "name", None) or Path(ref.model.rstrip("/")).name
         taken = {lab for lab, _ in refs}

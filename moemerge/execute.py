@@ -13,8 +13,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from moemerge.merge.dispatch import merge
 from moemerge.merge.least_squares import padded_average_fit
-from moemerge.merge.methods import merge
 from moemerge.merge.primitives import generator_for, zero_pad
 from moemerge.plan.jobs import Job, Plan, Source
 
@@ -45,11 +45,9 @@ def compute(job: Job, load: Load, make_router: MakeRouter | None, seed: int) -> 
             base=load(job.base) if job.base is not None else None,
             tensors=[zero_pad(load(s), job.shape) for s in job.sources],
             weights=list(job.weights) or None,
-            density=params.density,
-            lam=params.lam,
-            normalize=params.normalize,
             # one generator per output tensor: same bytes whatever the order or thread count
             generator=generator_for(seed, job.output),
+            **params.params,
         )
     return out.to(job.dtype).contiguous()
 

@@ -214,7 +214,7 @@ def recipe_models(path: Path) -> tuple[ModelRef, list[ModelRef]]:
             f"{path}: base_model: missing; inspect needs a base model to compute task vectors "
             "(expert − base)"
         )
-    return recipe.base_model, list(recipe.experts if recipe.kind == "moe" else recipe.models)
+    return recipe.base_model, list(recipe.experts if recipe.kind == "moe" else recipe.inputs)
 
 
 def _ref(model: Model) -> ModelRef:

@@ -71,11 +71,16 @@ def model_card(recipe, plan: Plan, recipe_text: str) -> str:
             f"`{recipe.router.init}`.",
         ]
     else:
-        refs = ([recipe.base_model] if recipe.base_model else []) + recipe.models
+        refs = ([recipe.base_model] if recipe.base_model else []) + recipe.inputs
         bases = [m.model for m in refs]
-        what = f"a dense `{recipe.merge.method}` merge of {len(recipe.models)} models"
+        what = f"a dense `{recipe.merge.method}` merge of {len(recipe.inputs)} models"
         details = ["| model | weight |", "|---|---|",
                    *(f"| {m.model} | {m.weight:g} |" for m in recipe.models)]
+        if recipe.slices:
+            what += f", {len(recipe.slices)} slices of their layers stacked"
+            details = ["| slice | sources (layers [start, end)) |", "|---|---|",
+                       *(f"| {i} | " + ", ".join(f"{s.model} {list(s.layers)}" for s in sl.sources)
+                         + " |" for i, sl in enumerate(recipe.slices))]
     front = yaml.safe_dump(
         {"base_model": list(dict.fromkeys(bases)), "library_name": "transformers",
          "tags": ["moemerge", "merge", *([] if isinstance(recipe, MergeRecipe) else ["moe"])]},

@@ -4,7 +4,16 @@ Exit codes scripts can rely on: 0 success, 1 runtime error (bad or missing check
 between models, failed output check), 2 recipe or usage error, 130 interrupted.
 """
 
-from moemerge.cli import build, demo, export, finetune, inspect, route  # noqa: F401
+from moemerge.cli import (  # noqa: F401
+    build,
+    demo,
+    export,
+    finetune,
+    import_mergekit,
+    inspect,
+    methods,
+    route,
+)
 from moemerge.cli.app import app
 
 __all__ = ["app"]

@@ -9,7 +9,11 @@ from typing import Annotated, Optional
 import typer
 
 from moemerge.cli.app import app, err, out, reports_errors
+from moemerge.merge.registry import METHOD_SPECS
 
+# from the registry: what --tune-on may vary
+TUNABLE = [m.name for m in METHOD_SPECS if "lambda" in m.tunable]
+WITH_DENSITY = [m.name for m in METHOD_SPECS if "density" in m.tunable]
 RecipeArg = Annotated[
     Path, typer.Argument(help="YAML recipe (see docs/recipes.md).", show_default=False)
 ]
@@ -41,14 +45,15 @@ def build(
     tune_on: Annotated[
         Optional[Path],  # noqa: UP045
         typer.Option("--tune-on", help="Held-out text file: choose merge lambda and density per "
-                     "tensor role by its perplexity, then build with them (docs/tuning.md).",
-                     show_default=False),
+                     "tensor role by its perplexity, then build with them (docs/tuning.md). "
+                     f"Tunable methods: {', '.join(TUNABLE)}.", show_default=False),
     ] = None,
     tune_lambdas: Annotated[
         str, typer.Option(help="Lambdas tried per role, comma-separated.")
     ] = "0.3,0.5,0.7,1",
     tune_densities: Annotated[
-        str, typer.Option(help="Densities tried per role (TIES / DARE), comma-separated.")
+        str, typer.Option(help="Densities tried per role (methods with a density: "
+                          f"{', '.join(WITH_DENSITY)}), comma-separated.")
     ] = "0.5,0.7,0.9",
     tune_max_tokens: Annotated[
         int, typer.Option(help="Tokens of the held-out text scored per candidate.")

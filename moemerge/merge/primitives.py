@@ -5,6 +5,7 @@ have shape [N, *shape] (one task vector per model along the first axis). No name
 global random state. Conventions (also in docs/merge-methods.md): TIES keeps ceil(density·n)
 entries per task vector, ties at the threshold included; the sign is elected by mass (sum), a
 zero sum elects 0 and drops the entry; DARE draws its mask from a per-tensor CPU generator.
+Each has a switch to mergekit's convention (floor, a zero vote elects +, L1 rescale).
 """
 
 from __future__ import annotations
@@ -23,29 +24,32 @@ def task_vectors(base: Tensor, tensors: Sequence[Tensor]) -> Tensor:
     return torch.stack([t.float() - base for t in tensors])
 
 
-def _check_density(density: float) -> None:
+def check_density(density: float) -> None:
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density}")
 
 
-def keep_count(numel: int, density: float) -> int:
+def keep_count(numel: int, density: float, rounding: str = "ceil") -> int:
     """How many entries TIES keeps: ceil(density · numel), at least one. Ceil, so a density
-    never keeps fewer entries than asked (the 1e-9 absorbs float error: 0.7 · 10 is 7.000…1)."""
+    never keeps fewer entries than asked (the 1e-9 absorbs float error: 0.7 · 10 is 7.000…1).
+    rounding "floor": int(density · numel), at least one, mergekit's count."""
+    if rounding == "floor":
+        return max(1, min(numel, int(density * numel)))
     return max(1, min(numel, math.ceil(density * numel - 1e-9)))
 
 
-def trim_to_density(taus: Tensor, density: float) -> Tensor:
+def trim_to_density(taus: Tensor, density: float, rounding: str = "ceil") -> Tensor:
     """TIES "trim": per task vector keep the top `density` fraction of entries by magnitude.
 
     The threshold is the k-th largest |τ| found with `kthvalue` (linear time, no sort); entries
     tied with it are kept, so slightly more than k may survive. density 1 keeps everything."""
-    _check_density(density)
+    check_density(density)
     taus = taus.float()
     if density == 1.0:
         return taus
     flat = taus.reshape(taus.shape[0], -1).abs()  # [N, numel]
     numel = flat.shape[1]
-    k = keep_count(numel, density)
+    k = keep_count(numel, density, rounding)
     # the (numel − k + 1)-th smallest is the k-th largest
     threshold = flat.kthvalue(numel - k + 1, dim=1, keepdim=True).values  # [N, 1]
     return (taus.reshape(flat.shape) * (flat >= threshold)).reshape(taus.shape)
@@ -61,36 +65,59 @@ def _weighted(taus: Tensor, weights: Tensor | None) -> Tensor:
     return taus if weights is None else taus * _per_model(weights, taus)
 
 
-def elect_sign(taus: Tensor, weights: Tensor | None = None) -> Tensor:
+def elect_sign(taus: Tensor, weights: Tensor | None = None, consensus: str = "sum",
+               zero_vote: str = "none") -> Tensor:
     """TIES "elect": each entry's sign is that of the (weighted) sum of the task vectors, i.e.
-    the side with more total mass wins, not the side with more models. A zero sum gives 0."""
-    return torch.sign(_weighted(taus.float(), weights).sum(dim=0))
+    the side with more total mass wins, not the side with more models. A zero sum gives 0.
+    consensus "count": the sign of the sum of the signs (more models win). zero_vote
+    "positive": a vote summing to exactly 0 elects + (mergekit)."""
+    weighted = _weighted(taus.float(), weights)
+    vote = (torch.sign(weighted) if consensus == "count" else weighted).sum(dim=0)
+    sign = torch.sign(vote)
+    return torch.where(vote == 0, 1.0, sign) if zero_vote == "positive" else sign
 
 
-def disjoint_mean(taus: Tensor, sign: Tensor, weights: Tensor | None = None) -> Tensor:
+def disjoint_mean(taus: Tensor, sign: Tensor, weights: Tensor | None = None,
+                  normalize: bool = True) -> Tensor:
     """TIES "disjoint merge": per entry, the weighted mean over the models whose (nonzero) τ has
-    the elected sign; zeros and disagreeing entries are excluded; no agreeing model gives 0."""
+    the elected sign; zeros and disagreeing entries are excluded; no agreeing model gives 0.
+    normalize False: the weighted sum of the agreeing entries, not their mean."""
     taus = taus.float()
     agree = (torch.sign(taus) == sign.to(taus.device)) & (taus != 0)  # [N, *shape]
     w = torch.ones(taus.shape[0]) if weights is None else weights
     w = _per_model(w, taus) * agree  # [N, *shape]: a model's weight where it counts, else 0
     total = w.sum(dim=0)
+    if not normalize:
+        return (taus * w).sum(dim=0)
     # no agreeing model: 0 / tiny · 0 = 0, never a NaN
     return (taus * w).sum(dim=0) / total.clamp_min(torch.finfo(torch.float32).tiny) * (total > 0)
 
 
-def dare_drop(tau: Tensor, density: float, generator: torch.Generator, rescale: bool = True
-              ) -> Tensor:
+def dare_drop(tau: Tensor, density: float, generator: torch.Generator,
+              rescale: bool | str = "expectation") -> Tensor:
     """DARE: drop each entry with probability 1 − density; survivors × 1/density (rescale keeps
-    the expectation). The mask is drawn on the CPU from `generator`, so it does not depend on
-    the device. density 1 returns τ unchanged and draws nothing."""
-    _check_density(density)
+    the expectation; "l1": × |τ|₁ / |kept|₁, mergekit; "none" or False: not rescaled). The mask
+    is drawn on the CPU from `generator`, so it does not depend on the device. density 1 returns
+    τ unchanged and draws nothing."""
+    check_density(density)
     tau = tau.float()
     if density == 1.0:
         return tau
     keep = torch.rand(tau.shape, generator=generator) < density
-    dropped = tau * keep.to(tau.device)
-    return dropped / density if rescale else dropped
+    return rescale_kept(tau, tau * keep.to(tau.device), density, rescale)
+
+
+def rescale_kept(tau: Tensor, kept: Tensor, prob: Tensor | float, rescale: bool | str) -> Tensor:
+    """Rescale the survivors of a random drop: "expectation" (or True) divides each by its keep
+    probability `prob`, so E[kept] = τ; "l1" matches the L1 norm of the whole tensor, left as is
+    when either norm is below 1e-7 (mergekit's rescaled_masked_tensor); "none" (or False) does
+    nothing."""
+    if rescale in (True, "expectation"):
+        return kept / prob
+    if rescale == "l1":
+        before, after = tau.abs().sum(), kept.abs().sum()
+        return kept if before < 1e-7 or after < 1e-7 else kept * (before / after)
+    return kept
 
 
 def generator_for(seed: int, name: str) -> torch.Generator:

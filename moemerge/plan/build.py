@@ -7,6 +7,7 @@ import torch
 from moemerge.architectures import TensorRole, moe_layouts
 from moemerge.architectures.config import dense_config, moe_config
 from moemerge.errors import MismatchError
+from moemerge.merge.registry import get
 from moemerge.plan.jobs import Job, Plan, Source
 from moemerge.plan.params import resolve_merge
 from moemerge.plan.sources import SourceModel
@@ -40,20 +41,22 @@ def write_order(roles: dict[str, TensorRole]) -> list[str]:
 
 def merge_job(
     name: str, role: str, layer: int | None, shape, dtype, spec, merged: list[int], weights,
-    base: int | None, *, output: str | None = None,
+    base: int | None, *, output: str | None = None, num_layers: int | None = None,
 ) -> Job:
-    """Output tensor `output` (default `name`) from the tensors `name` of the models `merged`."""
+    """Output tensor `output` (default `name`) from the tensors `name` of the models `merged`;
+    `num_layers` places `layer` on per-layer gradients."""
     output = output or name
-    params = resolve_merge(spec, role, layer)
+    params = resolve_merge(spec, role, layer, num_layers)
     if params.method == "base":
         return Job(output, shape, dtype, "copy", role, layer, (Source(base, name),))
-    if len(merged) == 1 and params.method == "average":
+    if len(merged) == 1 and params.method in ("average", "passthrough"):
         return Job(output, shape, dtype, "copy", role, layer, (Source(merged[0], name),))
+    reads_base = base is not None and get(params.method).base != "ignored"
     return Job(
         output, shape, dtype, "merge", role, layer,
         sources=tuple(Source(m, name) for m in merged),
-        # average never reads the base: reading it anyway would cost one more model's I/O
-        base=Source(base, name) if base is not None and params.method != "average" else None,
+        # a method that ignores the base never reads it: that would cost one more model's I/O
+        base=Source(base, name) if reads_base else None,
         weights=tuple(weights),
         merge=params,
     )
@@ -61,6 +64,10 @@ def merge_job(
 
 def plan_merge(recipe: MergeRecipe, models: list[SourceModel]) -> Plan:
     """Dense merge. models = [base?] + recipe.models, base first when the recipe names one."""
+    if recipe.slices:
+        from moemerge.plan.slices import plan_slices  # slices.py builds on this module
+
+        return plan_slices(recipe, models)
     has_base = recipe.base_model is not None
     base = 0 if has_base else None
     merged = list(range(int(has_base), len(models)))
@@ -69,7 +76,8 @@ def plan_merge(recipe: MergeRecipe, models: list[SourceModel]) -> Plan:
     weights = [m.weight for m in recipe.models]
     jobs = [
         merge_job(name, ref.roles[name].role, ref.roles[name].layer, ref.reader.meta(name).shape,
-                  dtype, recipe.merge, merged, weights, base)
+                  dtype, recipe.merge, merged, weights, base,
+                  num_layers=ref.config.get("num_hidden_layers"))
         for name in write_order(ref.roles)
     ]
     return Plan([m.label for m in models], jobs, dense_config(ref.config, dtype))
@@ -95,7 +103,7 @@ def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:
         shape = base.reader.meta(name).shape
         if role.role != "ffn":
             jobs.append(merge_job(name, role.role, role.layer, shape, dtype, recipe.merge, experts,
-                                  weights, 0))
+                                  weights, 0, num_layers=base.config.get("num_hidden_layers")))
             continue
         layer = role.layer
         if layer not in layers_done:  # the router and shared-expert stubs, once per layer

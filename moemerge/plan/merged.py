@@ -32,7 +32,8 @@ def plan_merged_experts(recipe: MergedExpertsRecipe, models: list[SourceModel]) 
         shape = base.reader.meta(name).shape
         if role.role != "ffn":
             jobs.append(merge_job(name, role.role, role.layer, shape, dtype, recipe.merge,
-                                  experts, weights, 0))
+                                  experts, weights, 0,
+                                  num_layers=base.config.get("num_hidden_layers")))
             continue
         if name.endswith(".bias"):
             raise MismatchError(f"{base.where()} has FFN bias {name!r}; merged_experts merges "

@@ -4,42 +4,87 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moemerge.merge.methods import DEFAULT_DENSITY, DEFAULT_LAMBDA
-from moemerge.recipe.models import METHODS_WITH_DENSITY, MergeSpec
+from moemerge.merge.registry import get
+from moemerge.recipe.merge import MergeSpec, param_fields
+
+FIRST = ("lambda", "density", "t")  # shown by describe() even at their defaults
 
 
 @dataclass(frozen=True)
 class ResolvedMerge:
-    """Fully specified merge of one tensor; `density` is None for methods without one."""
+    """Fully specified merge of one tensor: the method and every one of its parameters (the
+    recipe's value, else the registry's default), gradients already evaluated at the layer."""
 
     method: str
-    lam: float = DEFAULT_LAMBDA
-    density: float | None = None
-    normalize: bool = True
+    values: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def params(self) -> dict[str, object]:
+        return dict(self.values)
+
+    def get(self, name: str) -> object:
+        return self.params.get(name)
+
+    def with_values(self, **values) -> ResolvedMerge:
+        """These parameters changed, where the method has them (others are ignored)."""
+        params = self.params
+        params.update({k: v for k, v in values.items() if k in params and v is not None})
+        return ResolvedMerge(self.method, tuple(params.items()))
 
     def describe(self) -> str:
-        if self.method in ("base", "average"):
+        if not self.values:
             return self.method
-        extra = f", density={self.density:g}" if self.density is not None else ""
-        return f"{self.method}(lambda={self.lam:g}{extra})"
+        spec, params = get(self.method), self.params
+        shown = [n for n in FIRST if n in params] + [
+            p.name for p in spec.params if p.name not in FIRST and params[p.name] != p.default]
+        return f"{self.method}({', '.join(f'{n}={_text(params[n])}' for n in shown)})"
 
 
-def resolve_merge(spec: MergeSpec, role: str, layer: int | None) -> ResolvedMerge:
-    """Start from the spec's top-level fields, then apply matching overrides in order."""
-    method, lam, density, normalize = spec.method, spec.lam, spec.density, spec.normalize
+def _text(value: object) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value).lower()
+
+
+def at_layer(value: object, index: int | None, count: int | None) -> object:
+    """A per-layer gradient (a list) evaluated at layer `index` of `count` (the model's layers,
+    or a slice's): the values are spread evenly from the first layer (fraction 0) to the last
+    (fraction 1) and interpolated linearly; tensors outside the layers (embeddings, final
+    norm, head) take fraction 0 and a one-layer slice fraction 1 (mergekit's rules). A scalar
+    is returned as is."""
+    if not isinstance(value, list):
+        return value
+    if len(value) == 1:
+        return value[0]
+    if index is None or not count:
+        fraction = 0.0
+    else:
+        fraction = 1.0 if count == 1 else index / (count - 1)
+    scaled = fraction * (len(value) - 1)
+    low = int(scaled)
+    high = min(len(value) - 1, low + 1)
+    return (1 - (scaled - low)) * value[low] + (scaled - low) * value[high]
+
+
+def resolve_merge(spec: MergeSpec, role: str, layer: int | None,
+                  num_layers: int | None = None, *,
+                  at: tuple[int | None, int | None] | None = None) -> ResolvedMerge:
+    """Start from the spec's top-level fields, then apply matching overrides in order; then
+    the method's defaults for what is still unset. Gradients are evaluated at `at` = (index,
+    count) when given (a layer of a slice), else at (layer, num_layers)."""
+    index, count = at if at is not None else (layer, num_layers)
+    method = spec.method
+    given = {name: getattr(spec, field) for name, field in param_fields().items()}
     for override in spec.overrides:
         if override.roles is not None and role not in override.roles:
             continue
         if override.layers is not None and layer not in override.layers:
             continue
         method = override.method or method
-        lam = override.lam if override.lam is not None else lam
-        density = override.density if override.density is not None else density
-        normalize = override.normalize if override.normalize is not None else normalize
-    uses_density = method in METHODS_WITH_DENSITY
-    return ResolvedMerge(
-        method=method,
-        lam=DEFAULT_LAMBDA if lam is None else lam,
-        density=(DEFAULT_DENSITY if density is None else density) if uses_density else None,
-        normalize=True if normalize is None else normalize,
-    )
+        for name, field in param_fields().items():
+            value = getattr(override, field)
+            if value is not None:
+                given[name] = value
+    method_spec = get(method)
+    return ResolvedMerge(method, tuple(
+        (p.name, p.default if given.get(p.name) is None else at_layer(given[p.name], index,
+                                                                      count))
+        for p in method_spec.params))

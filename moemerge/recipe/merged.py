@@ -8,7 +8,14 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from moemerge.recipe.models import ExpertRef, MergeSpec, ModelRef, Strict, _RecipeBase
+from moemerge.recipe.models import (
+    ExpertRef,
+    MergeSpec,
+    ModelRef,
+    Strict,
+    _RecipeBase,
+    method_problems,
+)
 
 
 class CurvatureSpec(Strict):
@@ -54,6 +61,9 @@ class MergedExpertsRecipe(_RecipeBase):
 
     @model_validator(mode="after")
     def _no_ffn_merge(self) -> MergedExpertsRecipe:
+        problems = method_problems(self.merge, len(self.experts), has_base=True, moe=True)
+        if problems:
+            raise ValueError("; ".join(problems))
         if any(o.roles and "ffn" in o.roles for o in self.merge.overrides):
             raise ValueError("merge.overrides: role 'ffn' is merged per segment by the router "
                              "in merged_experts, not by the recipe; remove it")

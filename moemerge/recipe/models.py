@@ -9,11 +9,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Role = Literal["embed", "attn", "norm", "ffn", "lm_head"]
-MethodName = Literal["base", "average", "task_arithmetic", "ties", "dare_linear", "dare_ties"]
+from moemerge.recipe.merge import (  # noqa: F401  (re-exported: the recipe kinds' shared names)
+    METHODS_NEEDING_BASE,
+    MergeSpec,
+    Override,
+    Role,
+    method_problems,
+)
+
 OutputDType = Literal["auto", "float32", "float16", "bfloat16"]
-METHODS_NEEDING_BASE = {"base", "task_arithmetic", "ties", "dare_linear", "dare_ties"}
-METHODS_WITH_DENSITY = {"ties", "dare_linear", "dare_ties"}
 
 
 def _refs_from_str(value):
@@ -43,37 +47,6 @@ class ExpertRef(ModelRef):
     negative_prompts: list[str] = Field(default_factory=list)
 
 
-class MergeParams(Strict):
-    """How a group of tensors is merged. Unset fields take the method's defaults."""
-
-    method: MethodName | None = None
-    density: float | None = Field(default=None, gt=0.0, le=1.0)
-    lam: float | None = Field(default=None, alias="lambda")
-    normalize: bool | None = None
-
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
-
-
-class Override(MergeParams):
-    """Parameters for the tensors of some roles and/or layers (later overrides win)."""
-
-    roles: list[Role] | None = None
-    layers: list[int] | None = Field(default=None, description="Layer indices; None = all.")
-
-    @model_validator(mode="after")
-    def _selects_something(self) -> Override:
-        if self.roles is None and self.layers is None:
-            raise ValueError("an override needs `roles` and/or `layers` to say what it applies to")
-        return self
-
-
-class MergeSpec(MergeParams):
-    """The merge of the non-FFN (or, for `kind: merge`, all) tensors."""
-
-    method: MethodName = "average"
-    overrides: list[Override] = Field(default_factory=list)
-
-
 class RouterSpec(Strict):
     init: Literal["random", "prompts", "cheap_embed", "task_vector"] = "random"
     std: float | None = Field(default=None, gt=0.0, description="Std of random init.")
@@ -101,15 +74,28 @@ class MergeRecipe(_RecipeBase):
 
     kind: Literal["merge"]
     base_model: ModelRef | None = None
-    models: list[ModelRef] = Field(min_length=1)
+    models: list[ModelRef] = Field(default_factory=list, description="The models to merge "
+                                   "(or `slices`).")
+    slices: list[Slice] | None = Field(default=None, description="The output's layers as "
+                                       "slices of the inputs' (moemerge/recipe/slices.py).")
     merge: MergeSpec = MergeSpec()
 
+    @property
+    def inputs(self) -> list[ModelRef]:
+        """The checkpoints merged: `models`, or those the slices read."""
+        return slice_models(self.slices) if self.slices else self.models
+
     @model_validator(mode="after")
-    def _base_when_needed(self) -> MergeRecipe:
-        methods = {self.merge.method} | {o.method for o in self.merge.overrides if o.method}
-        needing = sorted(methods & METHODS_NEEDING_BASE)
-        if needing and self.base_model is None:
-            raise ValueError(f"base_model: merge method(s) {', '.join(needing)} need a base_model")
+    def _methods_fit(self) -> MergeRecipe:
+        if bool(self.models) == bool(self.slices):
+            raise ValueError("models: give the models to merge, or `slices` (layer ranges of "
+                             "them), " + ("not both" if self.models else "one of them"))
+        counts = sorted({len(s.sources) for s in self.slices}) if self.slices else [
+            len(self.models)]
+        problems = [p for n in counts for p in method_problems(
+            self.merge, n, has_base=self.base_model is not None, moe=False)]
+        if problems:
+            raise ValueError("; ".join(dict.fromkeys(problems)))
         return self
 
 
@@ -133,6 +119,9 @@ class MoERecipe(_RecipeBase):
 
     @model_validator(mode="after")
     def _k_fits(self) -> MoERecipe:
+        problems = method_problems(self.merge, len(self.experts), has_base=True, moe=True)
+        if problems:
+            raise ValueError("; ".join(problems))
         if self.experts_per_token > self.num_experts:
             raise ValueError(
                 f"experts_per_token: {self.experts_per_token} is larger than the number of experts "
@@ -151,3 +140,8 @@ class MoERecipe(_RecipeBase):
                     "missing for " + ", ".join(missing)
                 )
         return self
+
+
+from moemerge.recipe.slices import Slice, slice_models  # noqa: E402  (slices.py uses ModelRef)
+
+MergeRecipe.model_rebuild()

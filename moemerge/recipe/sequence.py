@@ -11,12 +11,12 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from moemerge.recipe.models import (
-    METHODS_NEEDING_BASE,
     ExpertRef,
     MergeSpec,
     ModelRef,
     Strict,
     _RecipeBase,
+    method_problems,
 )
 
 SharedRole = Literal["embed", "lm_head"]
@@ -93,10 +93,10 @@ class SeqRoutedRecipe(_SequenceRecipe):
     @model_validator(mode="after")
     def _consistent(self) -> SeqRoutedRecipe:
         self._common_checks()
-        methods = {self.merge.method} | {o.method for o in self.merge.overrides if o.method}
-        needing = sorted(methods & METHODS_NEEDING_BASE)
-        if needing and self.base_model is None:
-            raise ValueError(f"base_model: merge method(s) {', '.join(needing)} need a base_model")
+        problems = method_problems(self.merge, len(self.experts),
+                                   has_base=self.base_model is not None, moe=True)
+        if problems:
+            raise ValueError("; ".join(problems))
         if self.router.kind == "task_vector" and self.base_model is None:
             raise ValueError("base_model: router kind 'task_vector' needs the base model "
                              "(the experts' task vectors are measured from it)")

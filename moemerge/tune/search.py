@@ -18,9 +18,11 @@ import torch
 from moemerge.errors import OutputError, RecipeError
 from moemerge.eval.perplexity import perplexity
 from moemerge.execute import Load, compute
+from moemerge.merge.registry import METHOD_SPECS, get
 from moemerge.plan.jobs import Job, Plan, Source
 
-TUNABLE_METHODS = ("task_arithmetic", "ties", "dare_linear", "dare_ties")
+# from the registry: the methods whose `lambda` is tunable (density is tuned where they have one)
+TUNABLE_METHODS = tuple(m.name for m in METHOD_SPECS if "lambda" in m.tunable)
 ROLE_ORDER = ("embed", "attn", "norm", "ffn", "lm_head")
 # a candidate must beat the best so far by this fraction of its perplexity: smaller gains are
 # rounding (e.g. λ on a zero task vector) or noise of a few-thousand-token text, not signal
@@ -83,7 +85,7 @@ def tunable_jobs(plan: Plan) -> dict[str, list[Job]]:
     if not by_role:
         raise RecipeError(
             "--tune-on: nothing to tune; the recipe's merge uses no method with a lambda or "
-            f"density (tunable: {', '.join(TUNABLE_METHODS)}; average and base have none)"
+            f"density (tunable: {', '.join(TUNABLE_METHODS)})"
         )
     return {role: by_role[role] for role in ROLE_ORDER if role in by_role}
 
@@ -111,12 +113,17 @@ def search(model, tokenizer, text: str, plan: Plan, load: Load, seed: int, opts:
             cache[source] = load(source)
         return cache[source]
 
+    def fits(role: str, lam: float, density: float | None) -> bool:
+        """Whether every job of the role takes these values (DELLA: density ± epsilon)."""
+        return all(get(j.merge.method).problem(
+            j.merge.with_values(**{"lambda": lam, "density": density}).params) is None
+            for j in jobs[role])
+
     def set_role(role: str, lam: float | None, density: float | None) -> None:
         for job in jobs[role]:
             params = job.merge
             if lam is not None:  # density only where the method has one
-                params = replace(params, lam=lam,
-                                 density=density if params.density is not None else None)
+                params = params.with_values(**{"lambda": lam, "density": density})
             with torch.no_grad():
                 state[job.output].copy_(compute(replace(job, merge=params), cached, None, seed))
 
@@ -131,14 +138,16 @@ def search(model, tokenizer, text: str, plan: Plan, load: Load, seed: int, opts:
     best = baseline = score("recipe", None, None)
     chosen: dict[str, tuple[float, float | None]] = {}
     for role, role_jobs in jobs.items():
-        with_density = any(j.merge.density is not None for j in role_jobs)
+        with_density = any(j.merge.get("density") is not None for j in role_jobs)
         scores = {}
         for lam in opts.lambdas:
             for density in opts.densities if with_density else (None,):
+                if not fits(role, lam, density):
+                    continue  # e.g. DELLA's density + epsilon >= 1: not a valid merge
                 set_role(role, lam, density)
                 scores[lam, density] = score(role, lam, density)
-        point = min(scores, key=scores.__getitem__)  # the first of equals, in grid order
-        if scores[point] < best * (1 - MIN_GAIN):
+        point = min(scores, key=scores.__getitem__) if scores else None  # first of equals
+        if point is not None and scores[point] < best * (1 - MIN_GAIN):
             best, chosen[role] = scores[point], point
         set_role(role, *chosen.get(role, (None, None)))
         cache.clear()  # only one role's sources in memory at a time

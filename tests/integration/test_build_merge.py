@@ -1,12 +1,18 @@
 """Dense merges through the whole pipeline match the pure merge functions."""
 
+import json
+
 import pytest
 import torch
 from conftest import perturbed_copy, write_recipe
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from moemerge.api import build
-from moemerge.merge import methods
+from moemerge.errors import MismatchError
+from moemerge.merge import methods, sphere
+from moemerge.merge.dispatch import merge
+from moemerge.merge.primitives import generator_for
 
 
 @pytest.fixture
@@ -51,3 +57,77 @@ def test_ties_with_role_override_matches_the_functions(trio, tmp_path):
     embed = "model.embed_tokens.weight"
     expected = methods.average([t[embed] for t in tensors[1:]], weights=[2.0, 1.0])
     torch.testing.assert_close(out[embed], expected, atol=0, rtol=0)
+
+
+def test_slerp_gradient_over_the_layers(trio, tmp_path):
+    # two layers: t = [0, 1] gives layer 0 the first model and layer 1 the second; tensors
+    # outside the layers take the gradient's first value (mergekit's rule); the attn override
+    # holds t at 0.5 there
+    base, models = trio
+    out = merged(tmp_path, f"kind: merge\nmodels: [{models[0]}, {models[1]}]\n"
+                           "merge:\n  method: slerp\n  t: [0, 1]\n"
+                           "  overrides: [{roles: [attn], layers: [1], t: 0.5}]\n")
+    first, second = (load_file(p / "model.safetensors") for p in models)
+    for name in ("model.layers.0.mlp.up_proj.weight", "model.embed_tokens.weight"):
+        torch.testing.assert_close(out[name], first[name], atol=1e-6, rtol=0)
+    torch.testing.assert_close(out["model.layers.1.mlp.up_proj.weight"],
+                               second["model.layers.1.mlp.up_proj.weight"], atol=1e-6, rtol=0)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    torch.testing.assert_close(out[name], sphere.slerp([first[name], second[name]], 0.5))
+
+
+@pytest.mark.parametrize("method", ["breadcrumbs_ties", "della", "sce", "model_stock",
+                                    "karcher", "multislerp"])
+def test_new_methods_build_and_match_their_functions(method, trio, tmp_path):
+    base, models = trio
+    out = merged(tmp_path, f"kind: merge\nbase_model: {base}\nmodels: [{models[0]}, {models[1]}]\n"
+                           f"seed: 3\nmerge: {{method: {method}}}\n")
+    tensors = [load_file(p / "model.safetensors") for p in (base, *models)]
+    name = "model.layers.1.self_attn.o_proj.weight"
+    expected = merge(method, base=tensors[0][name], tensors=[t[name] for t in tensors[1:]],
+                     generator=generator_for(3, name))
+    torch.testing.assert_close(out[name], expected, atol=0, rtol=0)
+
+
+def test_passthrough_slices_stack_layers(trio, tmp_path):
+    # 2-layer inputs: A's layers 0-1 then B's layer 1 make a 3-layer model that loads
+    base, models = trio
+    out = merged(tmp_path, "kind: merge\nslices:\n"
+                           f"  - {{model: {models[0]}, layers: [0, 2]}}\n"
+                           f"  - {{model: {models[1]}, layers: [1, 2]}}\n"
+                           "merge: {method: passthrough}\n")
+    a, b = (load_file(p / "model.safetensors") for p in models)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 3
+    suffix = "self_attn.q_proj.weight"
+    assert torch.equal(out[f"model.layers.1.{suffix}"], a[f"model.layers.1.{suffix}"])
+    assert torch.equal(out[f"model.layers.2.{suffix}"], b[f"model.layers.1.{suffix}"])
+    assert torch.equal(out["model.embed_tokens.weight"], a["model.embed_tokens.weight"])
+    assert torch.equal(out["model.norm.weight"], b["model.norm.weight"])
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert len(model.model.layers) == 3
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "2 slices of their layers stacked" in card and f"{models[1]} [1, 2]" in card
+
+
+def test_slices_with_several_sources_merge_layer_by_layer(trio, tmp_path):
+    # one slice, slerp of A's layers [0, 2) with B's; the gradient runs over the slice:
+    # layer 0 at t 0 (A's), layer 1 at t 1 (B's)
+    base, models = trio
+    out = merged(tmp_path, "kind: merge\nslices:\n  - sources:\n"
+                           f"      - {{model: {models[0]}, layers: [0, 2]}}\n"
+                           f"      - {{model: {models[1]}, layers: [0, 2]}}\n"
+                           "merge: {method: slerp, t: [0, 1]}\n")
+    a, b = (load_file(p / "model.safetensors") for p in models)
+    name = "model.layers.{}.mlp.down_proj.weight"
+    torch.testing.assert_close(out[name.format(0)], a[name.format(0)], atol=1e-6, rtol=0)
+    torch.testing.assert_close(out[name.format(1)], b[name.format(1)], atol=1e-6, rtol=0)
+
+
+def test_slices_past_the_last_layer_are_refused(trio, tmp_path):
+    base, models = trio
+    recipe = write_recipe(tmp_path / "r.yaml", "kind: merge\nslices:\n"
+                          f"  - {{model: {models[0]}, layers: [0, 5]}}\n"
+                          "merge: {method: passthrough}\n")
+    with pytest.raises(MismatchError, match=r"has 2 layers; layers \[0, 5\] reach past them"):
+        build(recipe, tmp_path / "out", progress=False)

@@ -9,6 +9,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from moemerge.api import build
+from moemerge.merge.dispatch import merge
+from moemerge.merge.primitives import generator_for
 
 EXPECTED = {
     "llama": ("MixtralForCausalLM", "mixtral"),
@@ -117,6 +119,22 @@ def test_dare_builds_are_bitwise_reproducible(model_factory, tmp_path):
     recipe.write_text(recipe.read_text().replace("seed: 7", "seed: 8"))
     build(recipe, tmp_path / "c", progress=False)
     assert a != (tmp_path / "c" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("method", ["della", "slerp", "model_stock"])
+def test_new_methods_merge_the_shared_tensors(method, model_factory, tmp_path):
+    base = model_factory("llama")
+    experts = [perturbed_copy(base, tmp_path / f"e{i}", scale=0.1, seed=i) for i in range(2)]
+    build(moe_recipe(tmp_path, base, experts, merge=f"{{method: {method}}}", seed=5),
+          tmp_path / "moe", progress=False)
+    name = "model.layers.1.self_attn.k_proj.weight"
+    tensors = []
+    for path in (base, *experts, tmp_path / "moe"):
+        with safe_open(path / "model.safetensors", "pt") as f:
+            tensors.append(f.get_tensor(name))
+    expected = merge(method, base=tensors[0], tensors=tensors[1:3],
+                     generator=generator_for(5, name))
+    torch.testing.assert_close(tensors[3], expected.to(tensors[3].dtype), atol=0, rtol=0)
 
 
 def test_bfloat16_output(model_factory, tmp_path):

@@ -3,17 +3,20 @@
 import pytest
 import torch
 
+from moemerge.merge.dispatch import merge
 from moemerge.merge.methods import (
-    METHODS,
-    NEEDS_BASE,
     average,
     dare_linear,
     dare_ties,
-    merge,
     task_arithmetic,
     ties,
 )
 from moemerge.merge.primitives import generator_for
+from moemerge.merge.registry import REGISTRY
+
+# the methods that merge any number of models (slerp takes two, passthrough one, base none)
+METHODS = [m.name for m in REGISTRY.values() if m.target and m.max_models is None]
+NEEDS_BASE = {m.name for m in REGISTRY.values() if m.needs_base and m.target}
 
 torch.set_num_threads(1)
 T = torch.tensor
@@ -118,11 +121,11 @@ def test_integer_tensors_pass_through():
 def test_average_ignores_base():
     a = torch.ones(3)
     assert torch.equal(merge("average", base=torch.zeros(7), tensors=[a, 3 * a]), 2 * a)
-    assert NEEDS_BASE == set(METHODS) - {"average"}
+    assert NEEDS_BASE == set(METHODS) - {"average", "multislerp", "karcher"}
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"method": "slerp"}, "unknown merge method 'slerp'"),
+    ({"method": "slurp"}, "unknown merge method 'slurp'"),
     ({"method": "ties", "base": None}, "ties needs a base"),
     ({"method": "task_arithmetic", "base": None}, "task_arithmetic needs a base"),
     ({"method": "ties", "density": 0.0}, r"density must be in \(0, 1\]"),

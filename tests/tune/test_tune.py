@@ -49,7 +49,8 @@ def test_noise_on_one_role_gets_the_smallest_lambda(model_factory, tmp_path, hel
 
 
 @pytest.mark.parametrize("kind, merge", [("merge", "{method: dare_ties, lambda: 1.0}"),
-                                         ("moe", "{method: ties, density: 0.7}")])
+                                         ("moe", "{method: ties, density: 0.7}"),
+                                         ("merge", "{method: della, epsilon: 0.1}")])
 def test_recipe_copy_reproduces_the_build(kind, merge, model_factory, tmp_path, held_out):
     base = model_factory("qwen2")
     experts = [perturbed_copy(base, tmp_path / f"e{i}", scale=0.3, seed=i) for i in range(2)]

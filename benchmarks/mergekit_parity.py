@@ -1,0 +1,233 @@
+"""Parity with mergekit: the same merge built by both tools, for every method both have.
+
+Makes a small random Llama base and three noisy copies of it (fine-tune stand-ins), then for
+each shared method builds the merge with `moemerge build` (in this process) and with
+`mergekit-yaml` (in its own venv, never a dependency of moemerge), and compares every tensor:
+
+  max |Δ| with mergekit's conventions   moemerge with the recipe options that switch to them
+  max |Δ| with moemerge's defaults      the same recipe without those options (the difference a
+                                        user porting a config would get without them)
+
+Random methods (DARE, DELLA) draw different masks in the two tools, so they are compared on
+their statistics over a one-model merge (kept fraction, rescale of the survivors, L1 norm kept;
+DELLA: kept fraction in the top and bottom magnitude halves) and, for three models, on the
+cosine between the two outputs' task vectors (and, for scale, between two moemerge seeds).
+Results: benchmarks/results/mergekit_parity.md.
+
+    python benchmarks/mergekit_parity.py [--venv DIR] [--hidden 128] [--layers 4]
+
+--venv: a venv holding mergekit (default ~/.cache/moemerge/mergekit-venv); made when missing:
+`pip install torch==<this torch>` first (so pip keeps the CPU wheel), then the newest mergekit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from moemerge.api import build
+from moemerge.toy import make_random_model, train_tokenizer
+
+RESULTS = Path(__file__).parent / "results"
+sys.path.insert(0, str(Path(__file__).parent))
+from parity_cases import CASES, RANDOM_CASES  # noqa: E402
+
+
+def ensure_mergekit(venv: Path) -> tuple[Path, str]:
+    """The venv's bin/ and its mergekit version, installing it first when needed."""
+    python = venv / "bin" / "python"
+    if not (venv / "bin" / "mergekit-yaml").exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        version = torch.__version__.split("+")[0]
+        subprocess.run([str(python), "-m", "pip", "install", "-q", f"torch=={version}"],
+                       check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "mergekit"], check=True)
+    version = subprocess.run([str(python), "-c", "import importlib.metadata as m; "
+                              "print(m.version('mergekit'))"], capture_output=True, text=True,
+                             check=True).stdout.strip()
+    return venv / "bin", version
+
+
+def make_models(root: Path, hidden: int, layers: int) -> list[Path]:
+    """A random base and 3 copies with independent N(0, 0.01²) noise (float32)."""
+    tokenizer = train_tokenizer(["def f(x):\n    return x + 1\n" * 50], vocab_size=300)
+    base = make_random_model("llama", root / "base", hidden=hidden, layers=layers,
+                             heads=hidden // 32, kv_heads=hidden // 64, intermediate=hidden * 2,
+                             vocab=512, tokenizer=tokenizer)
+    tensors = load_file(base / "model.safetensors")
+    paths = [base]
+    for i in range(3):
+        copy = root / f"m{i}"
+        copy.mkdir()
+        for side in base.iterdir():
+            if side.name != "model.safetensors":
+                (copy / side.name).write_bytes(side.read_bytes())
+        gen = torch.Generator().manual_seed(100 + i)
+        save_file({n: t + 0.01 * torch.randn(t.shape, generator=gen) for n, t in tensors.items()},
+                  copy / "model.safetensors", metadata={"format": "pt"})
+        paths.append(copy)
+    return paths
+
+
+def run_moemerge(root: Path, name: str, recipe: str) -> dict[str, torch.Tensor]:
+    path = root / f"{name}.moemerge.yaml"
+    path.write_text(recipe)
+    out = root / f"{name}.moemerge"
+    build(path, out, progress=False, force=True, verify="structure")
+    return load_file(out / "model.safetensors")
+
+
+def run_mergekit(root: Path, bin_dir: Path, name: str, config: str) -> dict[str, torch.Tensor]:
+    path = root / f"{name}.mergekit.yaml"
+    path.write_text(config)
+    out = root / f"{name}.mergekit"
+    subprocess.run([str(bin_dir / "mergekit-yaml"), str(path), str(out), "--random-seed", "0",
+                    "--no-copy-tokenizer", "--quiet", "--write-model-card"], check=True,
+                   capture_output=True)
+    return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def max_delta(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def exact_rows(root, bin_dir, models) -> list[dict]:
+    rows = []
+    for case in CASES:
+        mk = run_mergekit(root, bin_dir, case.name, case.mergekit(models))
+        ours = run_moemerge(root, case.name, case.moemerge(models, conventions=True))
+        row = {"method": case.name, "mergekit": case.mergekit_method,
+               "options": case.options or "–", "max_abs_delta": max_delta(ours, mk)}
+        if case.options:
+            default = run_moemerge(root, case.name + "-default",
+                                   case.moemerge(models, conventions=False))
+            row["max_abs_delta_defaults"] = max_delta(default, mk)
+        rows.append(row)
+        print(f"{case.name:28s} {row['max_abs_delta']:.3g}  "
+              f"{row.get('max_abs_delta_defaults', float('nan')):.3g}", flush=True)
+    return rows
+
+
+def moe_row(root: Path, bin_dir: Path, models) -> dict:
+    """mergekit-moe (random gates) against the recipe `import-mergekit` makes of its config:
+    every parameter but the routers, compared as loaded by transformers (the two tools write
+    different tensor names for the same model)."""
+    from transformers import AutoModelForCausalLM
+
+    from moemerge.recipe.mergekit import convert, render
+
+    config = yaml.safe_dump({"base_model": str(models[0]), "gate_mode": "random",
+                             "dtype": "float32", "experts": [
+        {"source_model": str(m), "positive_prompts": [f"prompt {i}"]}
+        for i, m in enumerate(models[1:])]})
+    (root / "moe.mergekit.yaml").write_text(config)
+    subprocess.run([str(bin_dir / "mergekit-moe"), str(root / "moe.mergekit.yaml"),
+                    str(root / "moe.mergekit"), "--random-seed", "0", "--quiet",
+                    "--i-understand-this-is-not-useful-without-training"], check=True,
+                   capture_output=True)
+    recipe = root / "moe.moemerge.yaml"
+    recipe.write_text(render(convert(yaml.safe_load(config)), "moe.mergekit.yaml"))
+    build(recipe, root / "moe.moemerge", progress=False, force=True, verify="structure")
+    states = [AutoModelForCausalLM.from_pretrained(root / f"moe.{tool}",
+                                                   dtype=torch.float32).state_dict()
+              for tool in ("mergekit", "moemerge")]
+    routers = {k for k in states[0] if k.endswith("mlp.gate.weight")}
+    assert states[0].keys() == states[1].keys() and routers
+    delta = max((states[0][k] - states[1][k]).abs().max().item()
+                for k in states[0] if k not in routers)
+    print(f"mergekit-moe (random gates)  {delta:.3g}", flush=True)
+    return {"method": "mergekit-moe, 3 experts (all but the routers)", "mergekit": "mergekit-moe",
+            "options": "the recipe import-mergekit writes (merge: base)",
+            "max_abs_delta": delta}
+
+
+def statistics(out: dict, base: dict, tuned: dict) -> dict:
+    """Over all tensors of a one-model merge: Δ = out − base against τ = tuned − base."""
+    kept = total = l1_out = l1_tau = l1_tau_kept = 0.0
+    top = top_n = bottom = bottom_n = 0.0
+    for name, b in base.items():
+        delta, tau = out[name].float() - b.float(), tuned[name].float() - b.float()
+        mask = delta != 0
+        kept += mask.sum().item()
+        total += mask.numel()
+        l1_out += delta.abs().sum().item()
+        l1_tau += tau.abs().sum().item()
+        l1_tau_kept += (tau * mask).abs().sum().item()
+        big = tau.abs() >= tau.abs().median()
+        top, top_n = top + (mask & big).sum().item(), top_n + big.sum().item()
+        bottom, bottom_n = bottom + (mask & ~big).sum().item(), bottom_n + (~big).sum().item()
+    return {"kept": kept / total, "rescale": l1_out / l1_tau_kept, "l1_kept": l1_out / l1_tau,
+            "kept_top_half": top / top_n, "kept_bottom_half": bottom / bottom_n}
+
+
+def cosine(a: dict, b: dict, base: dict) -> float:
+    da = torch.cat([(a[k].float() - base[k].float()).reshape(-1) for k in base])
+    db = torch.cat([(b[k].float() - base[k].float()).reshape(-1) for k in base])
+    return torch.nn.functional.cosine_similarity(da, db, dim=0).item()
+
+
+def random_rows(root, bin_dir, models) -> list[dict]:
+    base, tuned = (load_file(m / "model.safetensors") for m in models[:2])
+    rows = []
+    for case in RANDOM_CASES:
+        one = case.with_models(1)
+        for tool, variant, out in (
+            ("mergekit", "", run_mergekit(root, bin_dir, one.name, one.mergekit(models))),
+            ("moemerge", "defaults", run_moemerge(root, one.name + "-d",
+                                                  one.moemerge(models, conventions=False))),
+            ("moemerge", one.options, run_moemerge(root, one.name,
+                                                   one.moemerge(models, conventions=True))),
+        ):
+            rows.append({"method": case.name, "tool": tool, "options": variant or "–",
+                         **statistics(out, base, tuned)})
+        mk = run_mergekit(root, bin_dir, case.name, case.mergekit(models))
+        ours = run_moemerge(root, case.name, case.moemerge(models, conventions=True))
+        rows[-1]["cosine_3_models"] = cosine(ours, mk, base)
+        other = run_moemerge(root, case.name + "-s1",
+                             case.moemerge(models, conventions=True, seed=1))
+        rows[-1]["cosine_seeds"] = cosine(ours, other, base)
+        print(f"{case.name:28s} cos {rows[-1]['cosine_3_models']:.4f}", flush=True)
+    return rows
+
+
+def report(meta: dict, exact: list[dict], randoms: list[dict]) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "mergekit_parity.json").write_text(json.dumps(
+        {**meta, "exact": exact, "random": randoms}, indent=2) + "\n")
+    from parity_cases import markdown
+
+    (RESULTS / "mergekit_parity.md").write_text(markdown(meta, exact, randoms))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--venv", type=Path,
+                        default=Path.home() / ".cache" / "moemerge" / "mergekit-venv")
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    opts = parser.parse_args()
+    torch.set_num_threads(1)
+    bin_dir, version = ensure_mergekit(opts.venv)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        models = make_models(root, opts.hidden, opts.layers)
+        params = sum(t.numel() for t in load_file(models[0] / "model.safetensors").values())
+        meta = {"mergekit": version, "torch": torch.__version__, "hidden": opts.hidden,
+                "layers": opts.layers, "params": params}
+        exact = exact_rows(root, bin_dir, models)
+        exact.append(moe_row(root, bin_dir, models))
+        randoms = random_rows(root, bin_dir, models)
+    report(meta, exact, randoms)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""`merge(method, ...)`: check the inputs against the method's registry entry, fill in its
+defaults, and call its tensor function with the arguments it takes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from moemerge.merge.methods import Weights, weights_of
+from moemerge.merge.registry import MethodSpec, all_params, get
+
+
+def call_arguments(spec: MethodSpec, params: dict[str, object]) -> dict[str, object]:
+    """The keyword arguments of `spec`'s function: every parameter of the method, the given
+    value (by recipe name, or `lam` for `lambda`) or the registry's default. Parameters of other
+    methods are ignored (the recipe refuses them); unknown names and out-of-range values are
+    errors."""
+    anywhere = {n for p in all_params().values() for n in (p.name, p.arg)}
+    given = {k: v for k, v in params.items() if v is not None}
+    unknown = sorted(set(given) - anywhere)
+    if unknown:
+        raise ValueError(f"{spec.name} takes no parameter {', '.join(unknown)}")
+    args = {}
+    for p in spec.params:
+        value = given.get(p.name, given.get(p.arg, p.default))
+        problem = p.check(value)
+        if problem:
+            raise ValueError(f"{p.name} {problem}")
+        args[p.arg] = value
+    return args
+
+
+def merge(method: str, *, base: Tensor | None, tensors: Sequence[Tensor], weights: Weights = None,
+          generator: torch.Generator | None = None, **params) -> Tensor:
+    """Validate, apply the registry's defaults and dispatch by name (`base` is a copy of the
+    base and is done by the planner, not here).
+
+    Integer and bool tensors (position ids, masks: buffers, not weights) are not merged: the
+    first model's is returned unchanged. Methods whose base is `ignored` never use `base`."""
+    spec = get(method)
+    if spec.target is None:
+        raise ValueError(f"{method} is a copy of the base tensor, not a merge")
+    if not tensors:
+        raise ValueError("nothing to merge")
+    if spec.needs_base and base is None:
+        raise ValueError(f"{method} needs a base tensor")
+    if len(tensors) < spec.min_models or len(tensors) > (spec.max_models or len(tensors)):
+        most = "" if spec.max_models is None else f" and at most {spec.max_models}"
+        raise ValueError(f"{method} takes at least {spec.min_models}{most} models, got "
+                         f"{len(tensors)}")
+    uses_base = base is not None and spec.base != "ignored"
+    shapes = {tuple(t.shape) for t in tensors} | ({tuple(base.shape)} if uses_base else set())
+    if len(shapes) > 1:
+        raise ValueError(f"tensors of different shapes cannot be merged: {sorted(shapes)}")
+    weights_of(weights, len(tensors), normalize=False)  # checks length and sum for every method
+    kwargs = call_arguments(spec, params)
+    if not tensors[0].is_floating_point():
+        return tensors[0]
+    if spec.weights:
+        kwargs["weights"] = weights
+    if spec.random:
+        kwargs["generator"] = generator
+    if spec.base == "optional":
+        kwargs["base"] = base
+        return spec.function(tensors, **kwargs)
+    if spec.base == "required":
+        return spec.function(base, tensors, **kwargs)
+    return spec.function(tensors, **kwargs)

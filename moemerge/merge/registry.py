@@ -1,0 +1,210 @@
+"""The merge-method registry: every method's name, base policy, parameters and tensor function.
+
+One entry per method. The recipe schema (moemerge/recipe/merge.py), `validate`, `--dry-run`,
+the tuner (which parameters it may vary), the CLI help and docs/merge-methods.md's parameter
+table are all generated from `REGISTRY`, so a new method is one function, one entry here and
+its tests. This module imports no torch: the recipe layer reads it to validate a recipe without
+loading a tensor library, and each function is imported on first use (`MethodSpec.function`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Literal
+
+Base = Literal["required", "optional", "ignored"]
+
+
+@dataclass(frozen=True)
+class Param:
+    """One recipe parameter. `kind` is float, int, bool or a tuple of allowed strings. Float
+    ranges: `low` < x (or ≤ with `low_closed`), x ≤ `high` (or < with `high_open`). A float
+    parameter may also be a list: a per-layer gradient (values spread evenly over the layers,
+    interpolated linearly, as in mergekit)."""
+
+    name: str
+    kind: type | tuple[str, ...]
+    default: object
+    doc: str
+    low: float | None = None
+    high: float | None = None
+    low_closed: bool = False
+    high_open: bool = False
+    tunable: bool = False
+
+    @property
+    def arg(self) -> str:
+        """The keyword of the tensor function (`lambda` is a Python keyword)."""
+        return "lam" if self.name == "lambda" else self.name
+
+    def range_text(self) -> str:
+        if isinstance(self.kind, tuple):
+            return " \\| ".join(self.kind)
+        if self.kind is bool:
+            return "true \\| false"
+        if self.low is None and self.high is None:
+            return "any"
+        lo = "" if self.low is None else ("[" if self.low_closed else "(") + f"{self.low:g}"
+        hi = "" if self.high is None else f"{self.high:g}" + (")" if self.high_open else "]")
+        return f"{lo or '(-inf'}, {hi or 'inf)'}"
+
+    def check(self, value: object) -> str | None:
+        """Why a single (non-gradient) value is out of range, or None."""
+        if isinstance(self.kind, tuple):
+            return None if value in self.kind else f"must be one of {', '.join(self.kind)}"
+        if self.kind in (float, int) and isinstance(value, int | float):
+            bad_low = self.low is not None and (value < self.low if self.low_closed
+                                                else value <= self.low)
+            bad_high = self.high is not None and (value >= self.high if self.high_open
+                                                  else value > self.high)
+            if value != value or value in (float("inf"), float("-inf")):
+                return f"must be a finite number, got {value}"
+            if bad_low or bad_high:
+                return f"must be in {self.range_text()}, got {value}"
+        return None
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    summary: str
+    paper: str
+    base: Base
+    params: tuple[Param, ...] = ()
+    target: str | None = None  # "module:function"; None for `base` (a copy, no arithmetic)
+    min_models: int = 1
+    max_models: int | None = None
+    weights: bool = True  # uses the models' `weight`
+    random: bool = False  # takes the per-tensor generator
+    moe: str | None = None  # why it cannot merge the non-FFN tensors of an MoE, if it cannot
+    constraint: Callable[[dict], str | None] | None = None  # across parameters, on scalars
+
+    def problem(self, values: dict[str, object]) -> str | None:
+        """Why these parameter values (defaults filled in) do not go together, or None."""
+        full = {p.name: values.get(p.name, p.default) for p in self.params}
+        if self.constraint is None or any(isinstance(v, list) for v in full.values()):
+            return None
+        return self.constraint(full)
+
+    @property
+    def needs_base(self) -> bool:
+        return self.base == "required"
+
+    def param(self, name: str) -> Param | None:
+        return next((p for p in self.params if p.name == name), None)
+
+    @property
+    def tunable(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.params if p.tunable)
+
+    @property
+    def function(self) -> Callable:
+        module, _, attr = (self.target or "").partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+LAMBDA = Param("lambda", float, 1.0, "scale of the merged task vector", tunable=True)
+DENSITY = Param("density", float, 0.7, "fraction of each task vector's entries kept",
+                low=0.0, high=1.0, tunable=True)
+NORMALIZE = Param("normalize", bool, True, "divide the weights by their sum (linear methods) or "
+                  "by the agreeing models' weights (sign-consensus methods)")
+ROUNDING = Param("trim_rounding", ("ceil", "floor"), "ceil", "entries kept: ceil(d·n) (ties at "
+                 "the cut-off kept) or floor(d·n) (mergekit)")
+ZERO_VOTE = Param("zero_vote", ("none", "positive"), "none", "sign elected where the vote sums "
+                  "to exactly 0: none (entry stays at the base) or positive (mergekit)")
+CONSENSUS = Param("consensus", ("sum", "count"), "sum", "sign election by mass (sum of the "
+                  "weighted task vectors) or by count (sum of their signs)")
+RESCALE = Param("rescale", ("expectation", "l1", "none"), "expectation", "survivors × 1/p (p "
+                "their keep probability), × ‖τ‖₁/‖kept‖₁ per tensor (mergekit), or not at all")
+GAMMA = Param("gamma", float, 0.01, "fraction of largest-magnitude entries dropped",
+              low=0.0, high=1.0, low_closed=True, high_open=True)
+EPSILON = Param("epsilon", float, 0.15, "keep probabilities spread over density ± epsilon by "
+                "magnitude rank", low=0.0, high=1.0, low_closed=True, high_open=True)
+T = Param("t", float, 0.5, "interpolation factor: 0 gives the first model, 1 the second",
+          low=0.0, high=1.0, low_closed=True)
+MAX_ITER = Param("max_iter", int, 10, "Karcher iterations at most", low=0, low_closed=False)
+TOL = Param("tol", float, 1e-5, "Karcher stopping tolerance (tangent norm)", low=0.0)
+FILTER_WISE = Param("filter_wise", bool, False, "one angle per output row instead of one per "
+                    "tensor")
+TOPK = Param("select_topk", float, 1.0, "fraction of entries kept, those of largest variance "
+             "across the models", low=0.0, high=1.0)
+CONSENSUS_PARAMS = (NORMALIZE, ZERO_VOTE, CONSENSUS)
+
+
+def _della_fits(v: dict) -> str | None:
+    d, e = v["density"], v["epsilon"]
+    if d < 1 and not (0 < d - e and d + e < 1):
+        return f"density ± epsilon must lie in (0, 1); got density {d:g}, epsilon {e:g}"
+    return None
+
+_M = "moemerge.merge."
+
+
+def _spec(name, summary, paper, base, params=(), target=None, **kw) -> MethodSpec:
+    return MethodSpec(name, summary, paper, base, tuple(params),
+                      target if target is None else _M + target, **kw)
+
+
+METHOD_SPECS = (
+    _spec("base", "the base model's tensor, copied", "–", "required"),
+    _spec("average", "weighted mean of the models", "Wortsman et al. 2022, model soups",
+          "ignored", target="methods:average"),
+    _spec("task_arithmetic", "base + λ Σ w τ", "Ilharco et al. 2023", "required",
+          (LAMBDA, NORMALIZE), "methods:task_arithmetic"),
+    _spec("ties", "trim, elect sign, disjoint mean", "Yadav et al. 2023", "required",
+          (DENSITY, LAMBDA, ROUNDING, *CONSENSUS_PARAMS), "methods:ties"),
+    _spec("dare_linear", "random drop and rescale, then task arithmetic", "Yu et al. 2024",
+          "required", (DENSITY, LAMBDA, NORMALIZE, RESCALE), "methods:dare_linear", random=True),
+    _spec("dare_ties", "random drop and rescale, then TIES's election and disjoint mean",
+          "Yu et al. 2024", "required", (DENSITY, LAMBDA, RESCALE, *CONSENSUS_PARAMS),
+          "methods:dare_ties", random=True),
+    _spec("breadcrumbs", "drop the largest gamma and the smallest entries, then task arithmetic",
+          "Davari & Belilovsky 2024", "required",
+          (replace(DENSITY, default=0.9), GAMMA, LAMBDA, NORMALIZE, ROUNDING),
+          "sparse:breadcrumbs"),
+    _spec("breadcrumbs_ties", "breadcrumbs' drop, then TIES's election and disjoint mean",
+          "Davari & Belilovsky 2024", "required",
+          (replace(DENSITY, default=0.9), GAMMA, LAMBDA, ROUNDING, *CONSENSUS_PARAMS),
+          "sparse:breadcrumbs_ties"),
+    _spec("della", "magnitude-ranked random drop (MagPrune), then TIES's election and mean",
+          "Deep et al. 2024", "required", (DENSITY, EPSILON, LAMBDA, RESCALE, *CONSENSUS_PARAMS),
+          "sparse:della", random=True, constraint=_della_fits),
+    _spec("della_linear", "magnitude-ranked random drop (MagPrune), then task arithmetic",
+          "Deep et al. 2024", "required", (DENSITY, EPSILON, LAMBDA, NORMALIZE, RESCALE),
+          "sparse:della_linear", random=True, constraint=_della_fits),
+    _spec("sce", "select by variance, weight by mean square, erase minority signs",
+          "Wan et al. 2024, FuseChat", "required", (TOPK, LAMBDA, ZERO_VOTE), "sparse:sce",
+          weights=False),
+    _spec("slerp", "spherical interpolation of two models", "Shoemake 1985", "ignored", (T,),
+          "sphere:slerp", min_models=2, max_models=2, weights=False),
+    _spec("multislerp", "weighted spherical barycentre (of the task vectors with a base)",
+          "Goddard 2025, mergekit", "optional", (NORMALIZE,), "sphere:multislerp"),
+    _spec("karcher", "Riemannian (Karcher) mean on the sphere, scaled by the mean norm",
+          "Karcher 1977; mergekit", "ignored", (MAX_ITER, TOL), "sphere:karcher"),
+    _spec("model_stock", "interpolate the average towards the base by the fine-tunes' angle",
+          "Jang et al. 2024", "required", (FILTER_WISE,), "sphere:model_stock", min_models=2,
+          weights=False),
+    _spec("passthrough", "one model's tensor as it is (layer stacking with `slices`)",
+          "Goddard et al. 2024, mergekit", "ignored", (), "sphere:passthrough", max_models=1,
+          weights=False, moe="passthrough copies one model's tensors; in an MoE use method: "
+          "base (the base's) or average"),
+)
+REGISTRY: dict[str, MethodSpec] = {m.name: m for m in METHOD_SPECS}
+METHOD_NAMES = tuple(REGISTRY)
+
+
+def get(name: str) -> MethodSpec:
+    if name not in REGISTRY:
+        raise ValueError(f"unknown merge method {name!r}; choose from {', '.join(METHOD_NAMES)}")
+    return REGISTRY[name]
+
+
+def all_params() -> dict[str, Param]:
+    """Every parameter name used by some method (each name means one thing everywhere)."""
+    out: dict[str, Param] = {}
+    for spec in METHOD_SPECS:
+        for p in spec.params:
+            out.setdefault(p.name, p)
+    return out

@@ -1,0 +1,146 @@
+"""Task-vector methods with other sparsifiers than TIES's trim and DARE's drop: breadcrumbs
+(drop the largest and the smallest), DELLA (magnitude-ranked random drop) and SCE (select by
+variance, calculate weights, erase minority signs). Formulas in docs/merge-methods.md.
+
+Each sparsifier is a pure function of a [N, *shape] stack of task vectors; the methods then end
+as task arithmetic (`_linear`) or as TIES's election and disjoint mean (`consensus_merge`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from moemerge.merge.methods import Weights, combine, consensus_merge, weights_of
+from moemerge.merge.primitives import (
+    check_density,
+    disjoint_mean,
+    elect_sign,
+    keep_count,
+    rescale_kept,
+    task_vectors,
+)
+
+
+def trim_outliers(taus: Tensor, density: float, gamma: float, rounding: str = "ceil") -> Tensor:
+    """Breadcrumbs' mask, per task vector: drop the `gamma` fraction of largest magnitudes, then
+    the smallest, keeping k = keep_count(n, density) entries (fewer outliers are dropped when
+    k + int(γ·n) > n). Two `kthvalue` cut-offs, no sort; entries tied at a cut-off are kept."""
+    check_density(density)
+    taus = taus.float()
+    flat = taus.reshape(taus.shape[0], -1).abs()  # [N, n]
+    n = flat.shape[1]
+    if density == 1.0 or n == 0:
+        return taus
+    keep = keep_count(n, density, rounding)
+    bottom = max(0, n - keep - int(gamma * n))  # entries dropped from below
+    low = flat.kthvalue(bottom + 1, dim=1, keepdim=True).values  # [N, 1]
+    high = flat.kthvalue(bottom + keep, dim=1, keepdim=True).values
+    return (taus.reshape(flat.shape) * ((flat >= low) & (flat <= high))).reshape(taus.shape)
+
+
+def _linear(base: Tensor, taus: Tensor, w: Tensor, lam: float) -> Tensor:
+    return base.float() + lam * combine(taus, w)
+
+
+def breadcrumbs(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
+                density: float = 0.9, gamma: float = 0.01, lam: float = 1.0,
+                normalize: bool = True, trim_rounding: str = "ceil") -> Tensor:
+    """θ_base + λ Σ w̃_i Breadcrumbs_{d,γ}(τ_i)."""
+    taus = trim_outliers(task_vectors(base, tensors), density, gamma, trim_rounding)
+    return _linear(base, taus, weights_of(weights, len(tensors), normalize), lam)
+
+
+def breadcrumbs_ties(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
+                     density: float = 0.9, gamma: float = 0.01, lam: float = 1.0,
+                     trim_rounding: str = "ceil", normalize: bool = True,
+                     consensus: str = "sum", zero_vote: str = "none") -> Tensor:
+    """θ_base + λ · DisjointMean(Breadcrumbs(τ), Elect(w · Breadcrumbs(τ)), w)."""
+    taus = trim_outliers(task_vectors(base, tensors), density, gamma, trim_rounding)
+    return consensus_merge(base, taus, weights_of(weights, len(tensors), False), lam,
+                           normalize=normalize, consensus=consensus, zero_vote=zero_vote)
+
+
+def magnitude_ranks(tau: Tensor) -> Tensor:
+    """Per row ([rows, n]: the first axis, a 1-D tensor is one row), each entry's rank by
+    magnitude scaled to [0, 1]: 0 for the smallest, 1 for the largest."""
+    rows = tau.reshape(tau.shape[0] if tau.dim() > 1 else 1, -1).abs()
+    order = rows.argsort(dim=1, stable=True)
+    ranks = torch.empty_like(rows).scatter_(
+        1, order, torch.arange(rows.shape[1], dtype=rows.dtype).expand_as(rows).contiguous())
+    return (ranks / max(rows.shape[1] - 1, 1)).reshape(tau.shape)
+
+
+def magprune(tau: Tensor, density: float, epsilon: float, generator: torch.Generator,
+             rescale: str = "expectation") -> Tensor:
+    """DELLA's MagPrune: keep each entry with probability p = density − ε + 2ε · rank (rank in
+    [0, 1] by magnitude within its row), so larger entries survive more often; survivors × 1/p
+    ("expectation", the paper) or L1-matched ("l1", mergekit). Mask drawn on the CPU."""
+    check_density(density)
+    tau = tau.float()
+    if density == 1.0:
+        return tau
+    if not (0.0 < density - epsilon and density + epsilon < 1.0):
+        raise ValueError(f"della: density ± epsilon must lie in (0, 1); got density {density:g},"
+                         f" epsilon {epsilon:g}")
+    probs = density - epsilon + 2 * epsilon * magnitude_ranks(tau.cpu())
+    keep = torch.rand(tau.shape, generator=generator) < probs
+    return rescale_kept(tau, tau * keep.to(tau.device), probs.to(tau.device), rescale)
+
+
+def _magprune_all(base, tensors, density, epsilon, generator, rescale) -> Tensor:
+    generator = generator if generator is not None else torch.Generator().manual_seed(0)
+    return torch.stack([magprune(t, density, epsilon, generator, rescale)
+                        for t in task_vectors(base, tensors)])
+
+
+def della(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
+          density: float = 0.7, epsilon: float = 0.15, lam: float = 1.0,
+          generator: torch.Generator | None = None, rescale: str = "expectation",
+          normalize: bool = True, consensus: str = "sum", zero_vote: str = "none") -> Tensor:
+    """θ_base + λ · DisjointMean(MagPrune(τ), Elect(w · MagPrune(τ)), w)."""
+    taus = _magprune_all(base, tensors, density, epsilon, generator, rescale)
+    return consensus_merge(base, taus, weights_of(weights, len(tensors), False), lam,
+                           normalize=normalize, consensus=consensus, zero_vote=zero_vote)
+
+
+def della_linear(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
+                 density: float = 0.7, epsilon: float = 0.15, lam: float = 1.0,
+                 normalize: bool = True, generator: torch.Generator | None = None,
+                 rescale: str = "expectation") -> Tensor:
+    """θ_base + λ Σ w̃_i MagPrune(τ_i)."""
+    taus = _magprune_all(base, tensors, density, epsilon, generator, rescale)
+    return _linear(base, taus, weights_of(weights, len(tensors), normalize), lam)
+
+
+def select_by_variance(taus: Tensor, fraction: float) -> Tensor:
+    """SCE "select": keep, in every task vector, the entries whose variance across the models is
+    among the top `fraction` (k = int(fraction · nonzero variances), the k-th largest found with
+    kthvalue, ties kept); k = 0 keeps nothing."""
+    if fraction >= 1.0:
+        return taus
+    var = taus.var(dim=0, unbiased=False).reshape(-1)  # [n]
+    k = int(int(torch.count_nonzero(var)) * fraction)
+    if k == 0:
+        return torch.zeros_like(taus)
+    threshold = var.kthvalue(var.numel() - k + 1).values
+    return taus * (var >= threshold).reshape(taus.shape[1:])
+
+
+def sce_weights(taus: Tensor) -> Tensor:
+    """SCE "calculate": each model's weight is its task vector's mean square, normalised to sum
+    1 (uniform when they sum to less than 1e-6)."""
+    energy = taus.reshape(taus.shape[0], -1).square().mean(dim=1)  # [N]
+    total = energy.sum()
+    return torch.full_like(energy, 1 / energy.numel()) if total < 1e-6 else energy / total
+
+
+def sce(base: Tensor, tensors: Sequence[Tensor], select_topk: float = 1.0, lam: float = 1.0,
+        zero_vote: str = "none") -> Tensor:
+    """θ_base + λ · DisjointMean(Select(τ), Elect(Select(τ)), SCE weights): "erase" is TIES's
+    sign election by mass (unweighted) and the mean over the agreeing models, SCE-weighted."""
+    taus = select_by_variance(task_vectors(base, tensors), select_topk)
+    sign = elect_sign(taus, None, "sum", zero_vote)
+    return base.float() + lam * disjoint_mean(taus, sign, sce_weights(taus))

@@ -1,0 +1,58 @@
+"""`moemerge import-mergekit`: a mergekit-yaml or mergekit-moe config as a moemerge recipe.
+
+The recipe builds the same model, within the parity figures of
+benchmarks/results/mergekit_parity.md: where the tools' conventions differ the recipe sets the
+options that give mergekit's result. What cannot be carried without changing the model is an
+error naming the key; what can be dropped without changing the weights (memory options, a chat
+template) is listed in the recipe's comment block with the reason.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass, field
+
+import yaml
+
+from moemerge.errors import RecipeError
+from moemerge.recipe.load import parse_recipe
+from moemerge.recipe.mergekit.dense import convert_yaml
+from moemerge.recipe.mergekit.moe import convert_moe
+
+
+@dataclass
+class Imported:
+    kind: str  # "mergekit-yaml" or "mergekit-moe"
+    recipe: dict
+    notes: list[str] = field(default_factory=list)
+
+
+def convert(data: object, source: str = "<config>") -> Imported:
+    """Translate parsed mergekit config data; the result is validated as a moemerge recipe."""
+    if not isinstance(data, dict):
+        raise RecipeError(f"{source}: not a mergekit config (a YAML mapping)")
+    notes: list[str] = []
+    is_moe = "experts" in data or "gate_mode" in data
+    try:
+        recipe = convert_moe(data, notes) if is_moe else convert_yaml(data, notes)
+    except RecipeError as exc:
+        raise RecipeError(f"{source}: {exc}") from None
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise RecipeError(f"{source}: malformed mergekit config ({type(exc).__name__}: "
+                          f"{exc})") from None
+    parse_recipe(recipe, f"{source} (imported)")  # every error at once, before it is written
+    return Imported("mergekit-moe" if is_moe else "mergekit-yaml", recipe, notes)
+
+
+def render(imported: Imported, source: str) -> str:
+    """The recipe as YAML under a comment block: where it came from, what was not carried."""
+    lines = [f"# Imported from {source} ({imported.kind}) by `moemerge import-mergekit`."]
+    if imported.notes:
+        lines.append("# Not carried, or carried differently:")
+        for note in imported.notes:
+            lines += textwrap.wrap(note, 96, initial_indent="#   - ", subsequent_indent="#     ")
+    else:
+        lines.append("# Everything in the config was carried.")
+    body = yaml.safe_dump(imported.recipe, sort_keys=False, allow_unicode=True,
+                          default_flow_style=None, width=100)
+    return "\n".join(lines) + "\n" + body

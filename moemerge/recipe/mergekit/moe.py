@@ -1,0 +1,82 @@
+"""A mergekit-moe config (`mergekit-moe CONFIG OUT`) as a token-routed `kind: moe` recipe.
+
+mergekit-moe copies attention, embeddings and norms from the base model (`merge: {method:
+base}` here) and keeps each expert's FFN; its gate modes map onto router inits."""
+
+from __future__ import annotations
+
+from moemerge.errors import RecipeError
+from moemerge.recipe.mergekit.params import model_ref
+
+KEYS = {"base_model", "experts", "gate_mode", "dtype", "experts_per_token", "shared_experts",
+        "architecture", "tokenizer", "tokenizer_source", "name"}
+GATES = {"hidden": "prompts", "hidden_avg": "prompts", "hidden_last": "prompts",
+         "cheap_embed": "cheap_embed", "random": "random"}
+ARCHITECTURES = (None, "mixtral", "qwen")
+
+
+def convert_moe(data: dict, notes: list[str]) -> dict:
+    unknown = sorted(set(data) - KEYS)
+    if unknown:
+        raise RecipeError(f"{', '.join(unknown)}: not a mergekit-moe key moemerge knows")
+    if data.get("shared_experts"):
+        raise RecipeError("shared_experts: moemerge writes Qwen2-MoE's shared expert as zeros "
+                          "and has no shared experts from models; it cannot import them")
+    if data.get("architecture") not in ARCHITECTURES:
+        raise RecipeError(f"architecture: {data['architecture']!r} cannot be imported; moemerge "
+                          "writes Mixtral (Llama / Mistral sources) or Qwen MoEs (Qwen sources)")
+    if data.get("tokenizer"):
+        raise RecipeError("tokenizer: vocabulary surgery cannot be imported")
+    gate = data.get("gate_mode", "hidden")
+    if gate == "uniform_random":
+        raise RecipeError("gate_mode: 'uniform_random' (nn.Linear's default init) has no "
+                          "moemerge router init; use random (N(0, std²), router.std)")
+    if gate not in GATES:
+        raise RecipeError(f"gate_mode: {gate!r} is not one of {', '.join(GATES)}")
+    experts = [_expert(e, i) for i, e in enumerate(data.get("experts") or [])]
+    router: dict = {"init": GATES[gate]}
+    if gate == "random":
+        router["std"] = 1.0
+        notes.append("router: mergekit-moe's random gates are N(0, 1); kept with router.std 1.0 "
+                     "(moemerge's default, the model's initializer_range, routes near-uniformly "
+                     "instead of saturating); the draws differ")
+    if gate != "random":
+        notes.append(f"router.init {GATES[gate]}: moemerge computes the gate rows from the same "
+                     "prompts its own way (centred across experts, unit rows; docs/recipes.md), "
+                     f"not with mergekit-moe's {gate} formula: the routers are not bitwise equal")
+    recipe: dict = {"kind": "moe", "assembly": "token_routed"}
+    if data.get("name"):
+        recipe["name"] = data["name"]
+    recipe["base_model"] = model_ref(data["base_model"])
+    recipe["experts"] = experts
+    recipe["experts_per_token"] = int(data.get("experts_per_token", 2))
+    recipe["merge"] = {"method": "base"}
+    recipe["router"] = router
+    if data.get("dtype"):
+        recipe["output"] = {"dtype": data["dtype"]}
+    if data.get("tokenizer_source") not in (None, "base"):
+        notes.append(f"tokenizer_source: not carried: moemerge copies the base model's "
+                     f"tokenizer, not {data['tokenizer_source']!r}")
+    notes.append("output: moemerge writes the classic per-expert tensor names that transformers "
+                 "4 and 5, vLLM and llama.cpp read (mergekit-moe writes transformers-5 fused "
+                 "names) and config.json with rope_theta and torch_dtype")
+    return recipe
+
+
+def _expert(data: dict, i: int) -> dict:
+    where = f"experts.{i}"
+    if data.get("noise_scale"):
+        raise RecipeError(f"{where}.noise_scale: adding noise to an expert's weights cannot be "
+                          "imported (it would silently differ); remove it")
+    if data.get("residual_scale") not in (None, 1, 1.0):
+        raise RecipeError(f"{where}.residual_scale: scaling an expert's output cannot be "
+                          "imported")
+    extra = sorted(set(data) - {"source_model", "positive_prompts", "negative_prompts",
+                                "noise_scale", "residual_scale"})
+    if extra:
+        raise RecipeError(f"{where}: {', '.join(extra)}: not a mergekit-moe expert key")
+    out = model_ref(data["source_model"])
+    for key in ("positive_prompts", "negative_prompts"):
+        if data.get(key):
+            out[key] = list(data[key])
+    return out

@@ -1,0 +1,121 @@
+"""The registry drives the schema, the dispatcher, the tuner and the docs: check they agree."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moemerge.cli import app
+from moemerge.merge.reference import BEGIN, END, markdown
+from moemerge.merge.registry import METHOD_NAMES, REGISTRY, all_params
+from moemerge.recipe import parse_recipe, recipe_errors
+from moemerge.recipe.merge import MergeSpec, param_fields
+from moemerge.tune.search import TUNABLE_METHODS
+
+REPO = Path(__file__).resolve().parents[2]
+DENSE = {"kind": "merge", "base_model": "b", "models": ["x", "y"]}
+MOE = {"kind": "moe", "base_model": "b", "experts": ["x", "y"]}
+
+
+def test_every_method_resolves_to_its_function():
+    for spec in REGISTRY.values():
+        assert spec.target is None or callable(spec.function), spec.name
+    assert REGISTRY["base"].target is None
+
+
+def test_a_parameter_name_means_one_thing_everywhere():
+    for spec in REGISTRY.values():
+        for p in spec.params:
+            shared = all_params()[p.name]
+            assert (p.kind, p.low, p.high, p.low_closed, p.high_open) == (
+                shared.kind, shared.low, shared.high, shared.low_closed, shared.high_open), p.name
+
+
+def test_the_schema_has_one_field_per_parameter_and_every_method():
+    fields = set(MergeSpec.model_fields)
+    assert set(param_fields().values()) <= fields
+    assert MergeSpec.model_fields["method"].annotation.__args__ == METHOD_NAMES
+
+
+def test_the_recipe_layer_imports_no_torch():
+    code = "import sys, moemerge.recipe.load; print('torch' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "False"
+
+
+def test_tunable_methods_come_from_the_registry():
+    assert set(TUNABLE_METHODS) == {m.name for m in REGISTRY.values() if "lambda" in m.tunable}
+    assert {"ties", "della", "breadcrumbs", "sce"} <= set(TUNABLE_METHODS)
+
+
+@pytest.mark.parametrize("merge, message", [
+    ({"method": "ties", "t": 0.3}, "t: not a parameter of ties"),
+    ({"method": "average", "density": 0.5}, "density: not a parameter of average"),
+    ({"method": "slerp", "t": 1.5}, "merge.t: must be in [0, 1]"),
+    ({"method": "slerp", "t": [0, 2]}, "merge.t: must be in [0, 1]"),
+    ({"method": "della", "epsilon": 1}, "merge.epsilon: must be in [0, 1)"),
+    ({"method": "ties", "trim_rounding": "round"}, "merge.trim_rounding"),
+    ({"method": "ties", "overrides": [{"roles": ["attn"], "gamma": 0.1}]},
+     "overrides.0: gamma: not a parameter of ties"),
+    ({"method": "karcher", "max_iter": 0}, "merge.max_iter: must be in (0, inf)"),
+    ({"method": "della", "density": 0.9}, "density ± epsilon must lie in (0, 1)"),
+    ({"method": "ties", "lambda": float("inf")}, "merge.lambda: must be a finite number"),
+    ({"method": "slerp", "t": [0.5, float("nan")]}, "merge.t: must be a finite number"),
+    ({"method": "average", "overrides": [{"roles": ["attn"], "method": "della_linear",
+                                          "epsilon": 0.7}]}, "density ± epsilon"),
+])
+def test_parameters_are_checked_against_the_method(merge, message):
+    errors = recipe_errors({**DENSE, "merge": merge})
+    assert any(message in e for e in errors), errors
+
+
+def test_an_override_may_set_a_parameter_of_another_method_of_the_block():
+    recipe = parse_recipe({**DENSE, "merge": {"method": "average", "overrides": [
+        {"roles": ["attn"], "method": "ties"}, {"layers": [0], "density": 0.5}]}})
+    assert recipe.merge.overrides[1].density == 0.5
+
+
+@pytest.mark.parametrize("data, message", [
+    ({**DENSE, "models": ["x", "y", "z"], "merge": {"method": "slerp"}},
+     "slerp merges at most 2 models, got 3"),
+    ({**DENSE, "models": ["x"], "merge": {"method": "model_stock"}},
+     "model_stock needs at least 2 models"),
+    ({**MOE, "merge": {"method": "passthrough"}}, "passthrough cannot merge an MoE's shared"),
+    ({"kind": "merge", "merge": {"method": "slerp"}, "slices": [
+        {"model": "a", "layers": [0, 2]},
+        {"sources": [{"model": "a", "layers": [0, 1]}, {"model": "b", "layers": [0, 1]}]}]},
+     "slerp needs at least 2 models to merge, got 1"),
+    ({**DENSE, "base_model": None, "merge": {"method": "della"}},
+     "base_model: merge method(s) della need a base_model"),
+])
+def test_method_constraints_name_the_reason(data, message):
+    errors = recipe_errors(data)
+    assert any(message in e for e in errors), errors
+
+
+def test_new_methods_are_valid_in_every_kind_that_merges():
+    for method in ("slerp", "karcher", "model_stock", "della", "sce", "breadcrumbs_ties"):
+        parse_recipe({**MOE, "merge": {"method": method}})
+        parse_recipe({**MOE, "assembly": "merged_experts", "merge": {"method": method}})
+        parse_recipe({"kind": "moe", "assembly": "seq_routed", "base_model": "b",
+                      "experts": ["x", "y"], "merge": {"method": method}})
+
+
+def test_the_docs_tables_are_generated_from_the_registry():
+    text = (REPO / "docs" / "merge-methods.md").read_text()
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    assert text[start:end] == markdown(), (
+        "docs/merge-methods.md is stale: python -m moemerge.merge.reference docs/merge-methods.md")
+    for name in METHOD_NAMES:  # and every method has its formula
+        assert f"| `{name}` | " in text[end:], name
+
+
+def test_methods_command_lists_the_registry():
+    result = CliRunner().invoke(app, ["methods"], terminal_width=200)
+    assert result.exit_code == 0 and all(n in result.output for n in METHOD_NAMES)
+    result = CliRunner().invoke(app, ["methods", "della"], terminal_width=200)
+    assert result.exit_code == 0 and "epsilon" in result.output and "0.15" in result.output
+    result = CliRunner().invoke(app, ["methods", "slurp"])
+    assert result.exit_code == 2

@@ -1,0 +1,238 @@
+"""`import-mergekit` on the config shapes of mergekit's documentation: each converts to a valid
+recipe with mergekit's conventions; what cannot be carried is a clear error."""
+
+import pytest
+import yaml
+
+from moemerge.errors import RecipeError
+from moemerge.recipe import parse_recipe
+from moemerge.recipe.mergekit import convert, render
+
+LINEAR = """
+models:
+  - model: psmathur/orca_mini_v3_13b
+    parameters: {weight: 1.0}
+  - model: WizardLM/WizardLM-13B-V1.2
+    parameters: {weight: 0.3}
+  - model: garage-bAInd/Platypus2-13B
+    parameters: {weight: 0.5}
+merge_method: linear
+dtype: float16
+"""
+SLERP = """
+slices:
+  - sources:
+      - model: OpenPipe/mistral-ft-optimized-1218
+        layer_range: [0, 32]
+      - model: mlabonne/NeuralHermes-2.5-Mistral-7B
+        layer_range: [0, 32]
+merge_method: slerp
+base_model: OpenPipe/mistral-ft-optimized-1218
+parameters:
+  t:
+    - filter: self_attn
+      value: [0, 0.5, 0.3, 0.7, 1]
+    - filter: mlp
+      value: [1, 0.5, 0.7, 0.3, 0]
+    - value: 0.5
+dtype: bfloat16
+"""
+DARE_TIES = """
+models:
+  - model: mistralai/Mistral-7B-v0.1
+  - model: samir-fama/SamirGPT-v1
+    parameters: {density: 0.53, weight: 0.4}
+  - model: abacusai/Slerp-CM-mist-dpo
+    parameters: {density: 0.53, weight: 0.3}
+merge_method: dare_ties
+base_model: mistralai/Mistral-7B-v0.1
+parameters:
+  int8_mask: true
+dtype: bfloat16
+"""
+PASSTHROUGH = """
+slices:
+  - sources:
+    - model: psmathur/orca_mini_v3_13b
+      layer_range: [0, 24]
+  - sources:
+    - model: garage-bAInd/Platypus2-13B
+      layer_range: [20, 40]
+merge_method: passthrough
+dtype: float16
+"""
+TASK_ARITHMETIC = """
+base_model: meta-llama/Llama-2-7b-hf
+models:
+  - model: a/math
+    parameters: {weight: 0.5}
+  - model: b/code
+    parameters: {weight: 0.5}
+merge_method: task_arithmetic
+parameters: {lambda: 0.8}
+dtype: float32
+"""
+TIES = """
+models:
+  - model: base/model
+  - model: a/math
+    parameters: {density: 0.5, weight: 0.5}
+  - model: b/code
+    parameters: {density: 0.5, weight: 0.5}
+merge_method: ties
+base_model: base/model
+parameters: {normalize: true}
+"""
+DELLA = """
+models:
+  - model: a/x
+    parameters: {weight: 1, density: 0.6, epsilon: 0.2}
+  - model: b/y
+    parameters: {weight: 1, density: 0.6, epsilon: 0.2}
+merge_method: della
+base_model: base/model
+parameters: {lambda: 1.0}
+"""
+BREADCRUMBS = """
+models:
+  - model: a/x
+    parameters: {weight: 1, density: 0.9, gamma: 0.01}
+  - model: b/y
+    parameters: {weight: 1, density: 0.9, gamma: 0.01}
+merge_method: breadcrumbs_ties
+base_model: base/model
+"""
+SCE = """
+models: [{model: a/x}, {model: b/y}, {model: c/z}]
+merge_method: sce
+base_model: base/model
+parameters: {select_topk: 0.1}
+"""
+MODEL_STOCK = """
+models: [{model: a/x}, {model: b/y}, {model: c/z}]
+merge_method: model_stock
+base_model: base/model
+dtype: bfloat16
+"""
+KARCHER = """
+models: [{model: a/x}, {model: b/y}]
+merge_method: karcher
+parameters: {max_iter: 20, tol: 1.0e-6}
+"""
+MOE = """
+base_model: mistralai/Mistral-7B-Instruct-v0.2
+gate_mode: hidden
+dtype: bfloat16
+experts:
+  - source_model: teknium/OpenHermes-2.5-Mistral-7B
+    positive_prompts: ["chat", "assistant"]
+  - source_model: meta-math/MetaMath-Mistral-7B
+    positive_prompts: ["math"]
+    negative_prompts: ["story"]
+"""
+
+
+def imported(text):
+    return convert(yaml.safe_load(text), "config.yml")
+
+
+@pytest.mark.parametrize("text", [LINEAR, SLERP, DARE_TIES, PASSTHROUGH, TASK_ARITHMETIC, TIES,
+                                  DELLA, BREADCRUMBS, SCE, MODEL_STOCK, KARCHER, MOE],
+                         ids=["linear", "slerp", "dare_ties", "passthrough", "task_arithmetic",
+                              "ties", "della", "breadcrumbs_ties", "sce", "model_stock",
+                              "karcher", "moe"])
+def test_documented_shapes_convert_to_valid_recipes(text):
+    result = imported(text)
+    rendered = render(result, "config.yml")
+    assert rendered.startswith("# Imported from config.yml")
+    parse_recipe(yaml.safe_load(rendered))  # the comment block is YAML comments
+
+
+def test_linear_carries_weights_and_dtype():
+    r = imported(LINEAR).recipe
+    assert r["merge"] == {"method": "average"}
+    assert [m["weight"] for m in r["models"]] == [1.0, 0.3, 0.5]
+    assert r["output"] == {"dtype": "float16"}
+
+
+def test_slerp_filters_become_overrides_in_reverse_order_and_base_goes_first():
+    r = imported(SLERP).recipe
+    assert r["merge"]["t"] == 0.5 and r["merge"]["method"] == "slerp"
+    # mergekit: first match wins; moemerge: last override wins
+    assert r["merge"]["overrides"] == [{"roles": ["ffn"], "t": [1, 0.5, 0.7, 0.3, 0]},
+                                       {"roles": ["attn"], "t": [0, 0.5, 0.3, 0.7, 1]}]
+    sources = r["slices"][0]["sources"]
+    assert sources[0]["model"] == "OpenPipe/mistral-ft-optimized-1218"
+    assert "base_model" not in r
+
+
+def test_dare_ties_takes_mergekits_conventions_and_notes_what_it_drops():
+    result = imported(DARE_TIES)
+    merge = result.recipe["merge"]
+    assert merge == {"method": "dare_ties", "density": 0.53, "normalize": False,
+                     "zero_vote": "positive", "rescale": "l1"}
+    assert [m["model"] for m in result.recipe["models"]] == ["samir-fama/SamirGPT-v1",
+                                                            "abacusai/Slerp-CM-mist-dpo"]
+    assert any("int8_mask" in n for n in result.notes)
+    assert any("float32" in n for n in result.notes)  # bfloat16 arithmetic in mergekit
+
+
+def test_ties_keeps_floor_rounding_and_the_given_normalize():
+    merge = imported(TIES).recipe["merge"]
+    assert merge["trim_rounding"] == "floor" and merge["normalize"] is True
+
+
+def test_moe_maps_gate_mode_and_copies_the_base():
+    r = imported(MOE).recipe
+    assert (r["kind"], r["merge"], r["router"]) == ("moe", {"method": "base"},
+                                                    {"init": "prompts"})
+    assert r["experts"][1]["negative_prompts"] == ["story"]
+    random = imported(MOE.replace("gate_mode: hidden", "gate_mode: random"))
+    assert random.recipe["router"] == {"init": "random", "std": 1.0}
+
+
+def test_karcher_drops_weights_mergekit_ignores():
+    result = imported(KARCHER.replace("{model: a/x}", "{model: a/x, parameters: {weight: 3}}"))
+    assert result.recipe["models"] == [{"model": "a/x"}, {"model": "b/y"}]
+    assert any("karcher ignores" in n for n in result.notes)
+
+
+def test_revision_syntax():
+    r = imported(LINEAR.replace("psmathur/orca_mini_v3_13b", "org/m@v2")).recipe
+    assert r["models"][0] == {"model": "org/m", "revision": "v2", "weight": 1.0}
+
+
+TIES_GRADIENTS = """
+models:
+  - model: psmathur/orca_mini_v3_13b
+    parameters: {density: [1, 0.7, 0.1], weight: 1.0}
+  - model: garage-bAInd/Platypus2-13B
+    parameters: {density: 0.5, weight: [0, 0.3, 0.7, 1]}
+merge_method: ties
+base_model: TheBloke/Llama-2-13B-fp16
+"""
+
+
+@pytest.mark.parametrize("text, message", [
+    (TIES_GRADIENTS, "a filtered or per-layer per-model value cannot be imported"),
+    (TIES.replace("density: 0.5, weight: 0.5}\n  - model: b",
+                  "density: 0.4, weight: 0.5}\n  - model: b"), "differs from another model's"),
+    (LINEAR.replace("merge_method: linear", "merge_method: nuslerp"), "'nuslerp' cannot be"),
+    (LINEAR.replace("psmathur/orca_mini_v3_13b", "a/b+lora/x"), "LoRA"),
+    (SLERP.replace("filter: mlp", "filter: q_proj"), "filter 'q_proj' matches no moemerge"),
+    (LINEAR + "tokenizer_source: union\n", "'union' builds a new vocabulary"),
+    (LINEAR + "modules: {text: {}}\n", "modules: per-module configs"),
+    (LINEAR + "sliced: true\n", "sliced: not a mergekit-yaml key"),
+    (TASK_ARITHMETIC.replace("lambda: 0.8", "t: 0.8"), "task_arithmetic in moemerge takes no 't'"),
+    (TASK_ARITHMETIC.replace("lambda: 0.8", "gamma: 0.8"), "gamma: not a parameter of task_ari"),
+    (MOE + "shared_experts: [{source_model: x}]\n", "shared_experts"),
+    (MOE.replace("gate_mode: hidden", "gate_mode: uniform_random"), "uniform_random"),
+    (MOE.replace('positive_prompts: ["math"]', 'noise_scale: 0.1\n    positive_prompts: [m]'),
+     "noise_scale"),
+    (MOE.replace("dtype: bfloat16", "architecture: deepseek"), "deepseek"),
+    (SLERP.replace("sources:", "parameters: {t: 0.1}\n    sources:", 1), "per-slice parameters"),
+])
+def test_unsupported_features_are_clear_errors(text, message):
+    with pytest.raises(RecipeError, match="config.yml") as info:
+        imported(text)
+    assert message in str(info.value), str(info.value)
