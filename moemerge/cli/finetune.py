@@ -60,6 +60,9 @@ def finetune(
     force: Annotated[bool, Opt("--force", help="Replace OUT if it exists.")] = False,
     fsdp: Annotated[bool, Opt("--fsdp", help="Under torchrun: shard parameters, gradients "
                               "and optimizer states over the processes (FSDP), not DDP.")] = False,
+    gradient_checkpointing: Annotated[bool, Opt(
+        "--gradient-checkpointing", help="Recompute activations in the backward pass: lower "
+        "peak memory, about a third more time per step.")] = False,
     trust_remote_code: Annotated[bool, Opt("--trust-remote-code")] = False,
     quiet: Annotated[bool, Opt("--quiet", "-q", help="No tables or progress bar.")] = False,
 ) -> None:
@@ -79,7 +82,7 @@ def finetune(
              else [p.strip() for p in train.split(",")] if train is not None else None)
     options = {k: v for k, v in locals().items() if k in _FINETUNE_FIELDS}
     options |= {"train": parts, "data": data or None}
-    for flag in ("resume", "force", "fsdp", "trust_remote_code"):
+    for flag in ("resume", "force", "fsdp", "gradient_checkpointing", "trust_remote_code"):
         options[flag] = True if options[flag] else None
     cfg = make_config(config, options)
     result = run_finetune(cfg, console=None if quiet else err)
@@ -93,5 +96,5 @@ _FINETUNE_FIELDS = {
     "model", "output", "seq_len", "eval_fraction", "text_field", "batch_size", "grad_accum",
     "steps", "epochs", "lr", "weight_decay", "schedule", "warmup_steps", "max_grad_norm",
     "aux_loss_coef", "eval_every", "seed", "device", "save_every", "keep_checkpoints", "resume",
-    "force", "fsdp", "trust_remote_code",
+    "force", "fsdp", "gradient_checkpointing", "trust_remote_code",
 }

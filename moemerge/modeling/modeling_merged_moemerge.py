@@ -263,7 +263,9 @@ class MoemergeMergedForCausalLM(MoemergeModel, PreTrainedModel, GenerationMixin)
                              attention_mask=attention_mask, position_ids=position_ids,
                              past_key_values=past_key_values, use_cache=use_cache, **kwargs)
         finally:
-            step.weights, step.cache, step.mask = None, None, None
+            # weights and mask stay: with gradient checkpointing the backward pass runs the
+            # layers again; the cache does not (it would outlive generation)
+            step.cache = None
         hidden = out.last_hidden_state
         keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
         logits = self.lm_head(hidden[:, keep])

@@ -37,6 +37,7 @@ class MoemergeModel:
     a missing tensor, is an error naming the tensors), attention backends, weight init."""
 
     _supports_sdpa = True
+    supports_gradient_checkpointing = True  # the dense stacks' decoder layers recompute
     _supports_flash_attn = True
     _supports_attention_backend = True
 

@@ -20,6 +20,7 @@ from moemerge.train import checkpoint, distributed, loop, report, sharding
 from moemerge.train.config import TrainConfig
 from moemerge.train.data import Blocks, collect_texts, make_blocks
 from moemerge.train.export import export, write_json
+from moemerge.train.memory import enable_gradient_checkpointing
 from moemerge.train.params import check_aux_loss, learned_routing, select_trainable
 
 
@@ -86,6 +87,8 @@ def _finetune(cfg, ctx, console, on_step) -> FinetuneResult:
     texts = collect_texts(cfg.data, cfg.text_field)  # data errors before loading any weights
     # FSDP: each rank loads the model on the CPU and moves only its shards to the device
     model, tokenizer = _load(cfg, torch.device("cpu") if ctx.sharded else ctx.device)
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     blocks = make_blocks(texts, tokenizer, cfg.seq_len, cfg.eval_fraction)
     names = select_trainable(model, cfg.train, cfg.model)
     check_aux_loss(model, cfg.aux_loss_coef, cfg.model)

@@ -47,6 +47,9 @@ class TrainConfig(BaseModel):
     resume: bool = False
     force: bool = False
     fsdp: bool = False
+    gradient_checkpointing: bool = Field(
+        default=False, description="Recompute each decoder layer's activations in the backward "
+        "pass instead of keeping them: less memory, about one more forward of time.")
     trust_remote_code: bool = False
 
     @model_validator(mode="after")
@@ -59,7 +62,8 @@ class TrainConfig(BaseModel):
 
     def fingerprint(self) -> dict:
         """The fields that decide the training trajectory (a resume must match them)."""
-        skip = {"output", "resume", "force", "save_every", "keep_checkpoints", "device"}
+        skip = {"output", "resume", "force", "save_every", "keep_checkpoints", "device",
+                "gradient_checkpointing"}  # recomputation gives the same gradients
         return self.model_dump(exclude=skip)
 
 
