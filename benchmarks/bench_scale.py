@@ -20,10 +20,11 @@ measured in the same session as its floor):
                           options (-j 2 --async-write --lazy-unpickle, float32 arithmetic,
                           bf16 output as moemerge's)
   moemerge:inspect        `moemerge inspect BASE EXPERT...`, whole command
-  select                  the TIES threshold (k-th largest |τ|, density 0.5) of a random
-                          [experts, largest tensor] stack: kthvalue (moemerge's), topk, and a
-                          two-pass histogram select (bincount of the top 16 bits, then
-                          kthvalue inside one bucket); all exact, checked equal
+  select                  the TIES threshold (k-th largest |τ|, density 0.5) of one random
+                          |τ| of the largest tensor's size (TIES finds one per expert):
+                          kthvalue (moemerge's), topk, and a two-pass histogram select
+                          (bincount of the top 16 bits, then kthvalue inside one bucket); all
+                          exact, checked equal
 
 Peak RSS: VmHWM of the build process (moemerge) or ru_maxrss of the waited-for command
 (mergekit). Bytes read/written: the process's rchar/wchar from /proc (syscall bytes: pages a
@@ -47,8 +48,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-RUNS = ("dense:average", "dense:task_arithmetic", "dense:ties", "dense:dare_ties",
-        "moe:average")
+RUNS = ("dense:average", "dense:task_arithmetic", "moe:average")  # TIES: --runs, see --help
+ALL_RUNS = ("dense:average", "dense:task_arithmetic", "dense:ties", "dense:dare_ties",
+            "moe:average")
 MERGEKIT_METHOD = {"average": "linear", "task_arithmetic": "task_arithmetic", "ties": "ties",
                    "dare_ties": "dare_ties"}
 FLOOR_REPEATS = 3  # the floor is cheap and noisy (fsync): its fastest of 3
@@ -93,6 +95,23 @@ elif mode == "moemerge":
     build(args["recipe"], args["out"], progress=False, verify="structure")
     r1, w1 = io()
     result |= {"read_bytes": r1 - r0, "written_bytes": w1 - w0}
+elif mode == "compute":  # the merge arithmetic alone, inputs already in memory, no I/O
+    import torch
+    from moemerge.merge.methods import merge
+    for method in args["methods"]:
+        spent = 0.0
+        for shape, count in args["shapes"]:
+            gen = torch.Generator().manual_seed(0)
+            tensors = [torch.empty(shape, dtype=torch.bfloat16) for _ in range(args["n"])]
+            base = torch.empty(shape, dtype=torch.bfloat16)
+            for t in (base, *tensors):
+                t.copy_(torch.randn(shape, generator=gen))
+            t1 = time.perf_counter()
+            merge(method, base=base, tensors=tensors, density=0.5, generator=gen).to(
+                torch.bfloat16)
+            spent += (time.perf_counter() - t1) * count
+            del tensors, base
+        result[f"{method}_merge_s"] = round(spent, 1)
 elif mode == "select":  # the TIES threshold of a [n, numel] |τ| stack, three exact ways
     import torch
     torch.manual_seed(0)
@@ -225,8 +244,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int)
     parser.add_argument("--cache", type=Path, default=Path("/tmp/moemerge-scale"))
     parser.add_argument("--mergekit", type=Path, help="bin/ holding mergekit-yaml, mergekit-moe")
-    parser.add_argument("--runs", default=",".join(RUNS))
+    parser.add_argument("--runs", default=",".join(RUNS), help="KIND:METHOD,... of "
+                        f"{', '.join(ALL_RUNS)}. TIES and DARE-TIES hold about (10 + 20 · "
+                        "experts) bytes per element of the largest tensor (benchmarks/README.md):"
+                        " at the 1B shape ~21 GB with 4 experts, so run them with --experts 2")
     parser.add_argument("--inspect", action="store_true")
+    parser.add_argument("--compute", default="", help="methods (comma-separated) whose merge "
+                        "arithmetic alone to time: random bf16 inputs in memory, every tensor "
+                        "shape of the model, no I/O")
     parser.add_argument("--no-select", action="store_true", help="skip timing the TIES "
                         "threshold (kthvalue, topk, histogram) on the largest tensor")
     parser.add_argument("--cold", action="store_true", help="also a cold-cache floor and "
@@ -248,7 +273,7 @@ def main() -> None:
     work.mkdir(parents=True)
     runs: dict[str, dict] = {"idle": child("idle")}
     print(f"inputs ready ({time.perf_counter() - t0:.0f} s): {made['made']}", flush=True)
-    wanted = [r.split(":") for r in opts.runs.split(",")]
+    wanted = [r.split(":") for r in opts.runs.split(",") if r]
     out_bytes: dict[str, int] = {}
     for kind, method in wanted:
         out = work / f"out-{kind}-{method}"
@@ -293,8 +318,17 @@ def main() -> None:
             shutil.rmtree(out)
             runs[f"mergekit:{kind}:{method}"] = r
             print("mergekit", kind, method, r, flush=True)
+    if opts.compute:
+        from collections import Counter
+
+        from shapes import tensor_list
+        config = json.loads((Path(base) / "config.json").read_text())
+        shapes = Counter(tuple(s) for _, s in tensor_list(config))
+        runs["compute"] = child("compute", n=opts.experts, methods=opts.compute.split(","),
+                                shapes=[[list(s), c] for s, c in shapes.items()])
+        print("compute", runs["compute"], flush=True)
     if not opts.no_select:
-        runs["select"] = child("select", n=opts.experts, numel=made["made"]["largest_tensor_bytes"]
+        runs["select"] = child("select", n=1, numel=made["made"]["largest_tensor_bytes"]
                                // 2, density=0.5)
         print("select", runs["select"], flush=True)
     if opts.inspect:
@@ -309,6 +343,7 @@ def main() -> None:
 def report(opts, runs: dict, made: dict) -> None:
     idle = runs.pop("idle")
     select = runs.pop("select", None)
+    compute = runs.pop("compute", None)
     info = made["made"]
     tag = opts.tag or (f"{opts.shape}-{opts.layers}L" if opts.layers else opts.shape)
     rows = []
@@ -345,6 +380,8 @@ def report(opts, runs: dict, made: dict) -> None:
         "generation_seconds": info["seconds"],
         "moemerge_startup_s": round(idle["startup_seconds"], 1),
         "moemerge_idle_rss_mib": round(idle["peak_rss_mib"]),
+        "merge_arithmetic_only": compute and {k: v for k, v in compute.items()
+                                              if k.endswith("_merge_s")},
         "ties_threshold_on_largest": select and {k: v for k, v in select.items()
                                                  if k.endswith("_s") or k == "equal"},
     }
