@@ -97,7 +97,10 @@ elif mode == "moemerge":
     result |= {"read_bytes": r1 - r0, "written_bytes": w1 - w0}
 elif mode == "compute":  # the merge arithmetic alone, inputs already in memory, no I/O
     import torch
-    from moemerge.merge.methods import merge
+    try:
+        from moemerge.merge.dispatch import merge
+    except ImportError:  # before the method registry
+        from moemerge.merge.methods import merge
     for method in args["methods"]:
         spent = 0.0
         for shape, count in args["shapes"]:
@@ -158,12 +161,14 @@ print(json.dumps(result))
 """
 
 
-def child(mode: str, **args) -> dict:
+def child(mode: str, *, check: bool = True, **args) -> dict:
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", CHILD, mode, json.dumps(args)],
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(
                               HERE.parent)})
     if done.returncode != 0:
+        if not check:  # recorded, not fatal: the other rows of the run still count
+            return {"error": done.stderr.strip().splitlines()[-1:] or ["failed"]}
         raise SystemExit(f"{mode} {args} failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["command_seconds"] = time.perf_counter() - t0
@@ -313,9 +318,10 @@ def main() -> None:
                                                                   method)), str(out),
                    *MERGEKIT_FAST, *(["--no-copy-tokenizer"] if kind == "dense" else [])]
             warm(inputs)
-            r = child("cmd", cmd=cmd)
-            r["out_bytes"] = dir_bytes(out)
-            shutil.rmtree(out)
+            r = child("cmd", cmd=cmd, check=False)
+            if "error" not in r:
+                r["out_bytes"] = dir_bytes(out)
+            shutil.rmtree(out, ignore_errors=True)
             runs[f"mergekit:{kind}:{method}"] = r
             print("mergekit", kind, method, r, flush=True)
     if opts.compute:
@@ -347,6 +353,8 @@ def report(opts, runs: dict, made: dict) -> None:
     info = made["made"]
     tag = opts.tag or (f"{opts.shape}-{opts.layers}L" if opts.layers else opts.shape)
     rows = []
+    errors = {name: r.pop("error") for name, r in list(runs.items()) if "error" in r}
+    runs = {name: r for name, r in runs.items() if name not in errors}
     for name, r in runs.items():
         tool, kind, *rest = name.split(":") + [""]
         cold = name.endswith(":cold")
@@ -379,6 +387,7 @@ def report(opts, runs: dict, made: dict) -> None:
                   f"largest tensor {info['largest_tensor_bytes'] / 2**20:.0f} MiB",
         "generation_seconds": info["seconds"],
         "moemerge_startup_s": round(idle["startup_seconds"], 1),
+        "failed": errors or None,
         "moemerge_idle_rss_mib": round(idle["peak_rss_mib"]),
         "merge_arithmetic_only": compute and {k: v for k, v in compute.items()
                                               if k.endswith("_merge_s")},
