@@ -1,0 +1,110 @@
+"""A build's peak memory is bounded by its largest tensor, not by the size of its models.
+
+The bound (benchmarks/README.md, "Peak memory of a build"), in bytes above the process's memory
+before the build:
+
+    peak ≤ L · (lookahead · (n · s_in + s_out) + W(method, n)) + SLACK
+
+L: elements of the largest tensor; n: tensors one job reads (the models merged, plus the base
+where the method uses one); s_in, s_out: bytes per element read and written; W: the merge's
+float32 working set per element (WORKING below). Measured here in one fresh process per test
+with the kernel's peak-RSS counter reset before each build (/proc/self/clear_refs = 5), on
+bf16 models whose tied embedding is ~50× larger than any other tensor and whose other tensors
+together outweigh it several times (so a build that held whole models would break the bound).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moemerge.toy import make_random_model
+
+SLACK = 48 * 2**20  # allocator arenas, thread stacks, the small tensors in flight
+# bytes per element of the largest tensor that the merge itself holds, W = a + b · (n − 1), n − 1
+# the task vectors (merge/methods.py: average and task arithmetic accumulate in place, a float32
+# sum and one float32 upcast; TIES and DARE-TIES stack the float32 task vectors and make their
+# |τ|, masks and products: ~4 float32 copies of the stack, plus the base upcast and the result)
+WORKING = {"average": (8, 0), "task_arithmetic": (8, 0), "ties": (8, 20), "dare_ties": (8, 20)}
+READS_BASE = {"average": False, "task_arithmetic": True, "ties": True, "dare_ties": True}
+# L = VOCAB · HIDDEN, 128 × the largest other tensor; the other tensors together are 3 × L
+HIDDEN, INTERMEDIATE, LAYERS, VOCAB, EXPERTS = 128, 352, 96, 45056, 3
+
+CHILD = r"""
+import gc, json, sys
+from moemerge.api import build
+def status(key):
+    return int(open("/proc/self/status").read().split(key + ":")[1].split()[0]) * 1024
+for run in json.loads(sys.argv[1]):
+    build(run["recipe"], None, dry_run=True, progress=False)  # imports and plan, no data
+    gc.collect()
+    open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
+    before = status("VmRSS")
+    build(run["recipe"], run["out"], progress=False, verify="none", lookahead=run["lookahead"])
+    print(json.dumps({**run, "extra": status("VmHWM") - before}), flush=True)
+"""
+
+
+def bound(largest: int, n: int, lookahead: int, method: str, s_in: int = 2,
+          s_out: int = 2) -> int:
+    a, b = WORKING[method]
+    return largest * (lookahead * (n * s_in + s_out) + a + b * (n - 1)) + SLACK
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> list[Path]:
+    root = tmp_path_factory.mktemp("memory-bound")
+    base = make_random_model("llama", root / "base", hidden=HIDDEN, layers=LAYERS, heads=4,
+                             kv_heads=2, intermediate=INTERMEDIATE, vocab=VOCAB,
+                             tie_word_embeddings=True, dtype=torch.bfloat16)
+    tensors = load_file(base / "model.safetensors")
+    paths = [base]
+    for e in range(EXPERTS):
+        expert = root / f"e{e}"
+        expert.mkdir()
+        (expert / "config.json").write_bytes((base / "config.json").read_bytes())
+        gen = torch.Generator().manual_seed(e)
+        save_file({n: (t.float() + 0.01 * torch.randn(t.shape, generator=gen)).to(t.dtype)
+                   for n, t in tensors.items()}, expert / "model.safetensors",
+                  metadata={"format": "pt"})
+        paths.append(expert)
+    return paths
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_build_peak_memory_is_bounded_by_the_largest_tensor(models, tmp_path):
+    tensors = load_file(models[0] / "model.safetensors")
+    sizes = sorted(t.numel() for t in tensors.values())
+    largest, total = sizes[-1], sum(sizes)
+    assert largest >= 50 * sizes[-2]  # one deliberately large tensor
+    runs = []
+    listed = "".join(f"\n  - {m}" for m in models[1:])
+    for kind, method in (("merge", "average"), ("merge", "task_arithmetic"), ("merge", "ties"),
+                         ("merge", "dare_ties"), ("moe", "average")):
+        recipe = tmp_path / f"{kind}-{method}.yaml"
+        key = "models" if kind == "merge" else "experts"
+        recipe.write_text(f"kind: {kind}\nbase_model: {models[0]}\n{key}:{listed}\n"
+                          f"merge: {{method: {method}, density: 0.5}}\n")
+        for lookahead in (1, 3):
+            runs.append({"recipe": str(recipe), "method": method, "kind": kind,
+                         "lookahead": lookahead, "out": str(tmp_path / f"{kind}-{method}-"
+                                                            f"{lookahead}")})
+    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(runs)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(results) == len(runs)
+    for r in results:
+        n = EXPERTS + READS_BASE[r["method"]]  # average reads the experts only
+        limit = bound(largest, n, r["lookahead"], r["method"])
+        assert r["extra"] <= limit, (
+            f"{r['kind']} {r['method']} lookahead {r['lookahead']}: peak {r['extra'] / 2**20:.0f}"
+            f" MiB above the start > bound {limit / 2**20:.0f} MiB")
+        if r["method"] in ("average", "task_arithmetic"):  # streams: never holds its inputs
+            assert r["extra"] < n * total * 2, (r, n * total * 2)
