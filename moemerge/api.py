@@ -184,7 +184,7 @@ def build(
             write(tmp, recipe, plan, recipe_text)
             full = verify == "full" or (verify == "auto" and plan.total_bytes <= FULL_LOAD_LIMIT)
             if full:
-                check_loads(tmp, trust_remote_code="auto_map" in plan.config)
+                check_loads(tmp)
         return BuildResult(plan, out, "full" if full else "structure", tuning)
 
 
