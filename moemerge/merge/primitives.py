@@ -110,3 +110,13 @@ def zero_pad(tensor: Tensor, shape: Sequence[int]) -> Tensor:
     out = tensor.new_zeros(shape)
     out[tuple(slice(0, n) for n in tensor.shape)] = tensor
     return out
+
+
+def count_non_finite(tensor: Tensor, chunk: int = 1 << 24) -> int:
+    """How many NaN / ±Inf entries a floating-point tensor holds (0 for integer tensors),
+    checked in chunks so a [V, d] embedding costs no full-size mask."""
+    if not tensor.is_floating_point():
+        return 0
+    flat = tensor.reshape(-1)
+    return sum(int((~torch.isfinite(flat[i:i + chunk])).sum())
+               for i in range(0, flat.numel(), chunk))

@@ -43,3 +43,15 @@ def resolve_merge(spec: MergeSpec, role: str, layer: int | None) -> ResolvedMerg
         density=(DEFAULT_DENSITY if density is None else density) if uses_density else None,
         normalize=True if normalize is None else normalize,
     )
+
+
+def override_layer_warnings(spec: MergeSpec, num_layers: int) -> list[str]:
+    """A warning per override naming layers the model does not have (they never apply)."""
+    warnings = []
+    for index, override in enumerate(spec.overrides):
+        beyond = sorted({n for n in override.layers or () if not 0 <= n < num_layers})
+        if beyond:
+            warnings.append(f"merge.overrides[{index}].layers: {beyond[:10]} beyond the model's "
+                            f"{num_layers} layers (0..{num_layers - 1}); the override never "
+                            "applies there")
+    return warnings
