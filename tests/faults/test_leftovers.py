@@ -46,3 +46,23 @@ def test_outputs_honour_the_umask(model_factory, tmp_path, umask, mask, mode):
     assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == mode
     weights = tmp_path / "out" / "model.safetensors"
     assert stat.S_IMODE(weights.stat().st_mode) == 0o666 & ~mask & 0o644
+
+
+def test_half_made_toy_sets_of_dead_processes_are_swept(tmp_path):
+    import subprocess
+    import sys
+
+    from moemerge.toy import TINY, cached_toy_experts
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    root = tmp_path / "toy"
+    (root / TINY.key()).mkdir(parents=True)  # a finished set: nothing to make
+    (root / TINY.key() / "toyset.json").write_text("{}")
+    stale = root / f".{TINY.key()}-{dead}-abcd"
+    alive = root / f".{TINY.key()}-{os.getppid()}-efgh"
+    stale.mkdir()
+    alive.mkdir()
+    with pytest.raises(KeyError):  # the stub toyset.json is no real set; the sweep came first
+        cached_toy_experts(TINY, cache_dir=tmp_path, progress=False)
+    assert not stale.exists() and alive.exists()
