@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -15,14 +16,17 @@ import yaml
 from moemerge.assemble.card import model_card
 from moemerge.assemble.remote_code import copy_modeling_code
 from moemerge.assemble.verify import FULL_LOAD_LIMIT, check_loads, check_structure
-from moemerge.errors import OutputError, RecipeError
+from moemerge.errors import CheckpointError, OutputError, RecipeError
 from moemerge.eval.perplexity import load_causal_lm, load_tokenizer
 from moemerge.execute import run_jobs
 from moemerge.io.atomic import RECIPE_COPY, SIDE_FILES, atomic_output_dir, copy_side_files
-from moemerge.io.writer import ShardedWriter, parse_size
+from moemerge.io.paths import check_output_apart, working_directory
+from moemerge.io.writer import ShardedWriter, check_free_space, parse_size
+from moemerge.merge.primitives import count_non_finite
 from moemerge.plan.build import plan_merge, plan_token_routed
 from moemerge.plan.jobs import Plan, Source
 from moemerge.plan.merged import plan_merged_experts
+from moemerge.plan.params import override_layer_warnings
 from moemerge.plan.sequence import plan_bridged, plan_seq_routed
 from moemerge.plan.sources import SourceModel, check_shared_vocabulary, open_sources
 from moemerge.recipe.load import AnyRecipe, load_recipe, parse_recipe
@@ -109,12 +113,23 @@ def build(
     lookahead: int = 3,
     tune: TuneOptions | None = None,
     on_candidate: Callable[[Candidate], None] | None = None,
+    strict: bool = False,
+    allow_non_finite: bool = False,
+    warn: Callable[[str], None] | None = None,
 ) -> BuildResult:
     """Build `out` from the recipe. With `tune`, first choose λ and density per role on held-out
-    text (docs/tuning.md) and build with them; the recipe copy in `out` records them."""
+    text (docs/tuning.md) and build with them; the recipe copy in `out` records them.
+
+    NaN / Inf in an input tensor is a warning (`warn`, default `warnings.warn`) naming the
+    tensor and the model, an error with `strict`; a non-finite output tensor is refused unless
+    `allow_non_finite`."""
     recipe_path = Path(recipe_path)
     out = Path(out) if out is not None else None
+    warn = warn or _warn
     recipe = load_recipe(recipe_path)
+    if out is not None and not dry_run:  # before any model is read
+        check_output_apart(out, _local_inputs(recipe, recipe_path.parent),
+                           contained=_contained(recipe_path, tune))
     try:
         max_shard = parse_size(recipe.output.max_shard_size)
     except ValueError as exc:
@@ -137,17 +152,35 @@ def build(
             check=check_shared_vocabulary if isinstance(recipe, BridgedRecipe) else None,
         )
         plan = make_plan(recipe, models)
+        for message in _override_warnings(recipe, models):
+            warn(message)
         if dry_run or out is None:
             return BuildResult(plan, None, "none")
+        check_output_apart(out, [(f"input model {m.label}", m.path) for m in models])
+        check_free_space(out, plan.total_bytes * (2 if tune is not None else 1))
+        seen_non_finite: set[Source] = set()
 
         def load(source: Source):
-            return models[source.model].reader.read(source.tensor)
+            tensor = models[source.model].reader.read(source.tensor)
+            if source not in seen_non_finite and (bad := count_non_finite(tensor)):
+                seen_non_finite.add(source)
+                message = (f"tensor {source.tensor!r} of {models[source.model].where()} holds "
+                           f"{bad} NaN/Inf values")
+                if strict:
+                    raise CheckpointError(f"{message} (--strict)")
+                warn(message)
+            return tensor
 
         def write(dest: Path, recipe: AnyRecipe, plan: Plan, recipe_text: str) -> None:
             planned = [(j.output, j.dtype, tuple(j.shape)) for j in plan.jobs]
             with ShardedWriter(dest, planned, max_shard_bytes=max_shard) as writer:
                 jobs = run_jobs(plan, load, make_router, recipe.seed, lookahead=lookahead)
                 for job, tensor in _with_progress(jobs, plan, progress):
+                    if not allow_non_finite and (bad := count_non_finite(tensor)):
+                        raise OutputError(
+                            f"output check failed: tensor {job.output!r} would hold {bad} "
+                            "NaN/Inf values (from non-finite inputs or merge settings); nothing "
+                            "was written. Pass --allow-non-finite to write it anyway.")
                     writer.write(job.output, tensor)
             (dest / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
             copy_side_files(_tokenizer_source(recipe, models).path, dest, SIDE_FILES)
@@ -186,6 +219,34 @@ def build(
             if full:
                 check_loads(tmp)
         return BuildResult(plan, out, "full" if full else "structure", tuning)
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
+
+
+def _local_inputs(recipe: AnyRecipe, recipe_dir: Path) -> list[tuple[str, Path]]:
+    """(what, directory) of every model reference that names an existing local directory."""
+    found = []
+    for label, ref in _labelled_refs(recipe):
+        for candidate in (recipe_dir / ref.model, Path(ref.model).expanduser()):
+            if candidate.is_dir():
+                found.append((f"input model {label}", candidate))
+    return found
+
+
+def _contained(recipe_path: Path, tune: TuneOptions | None) -> list[tuple[str, Path]]:
+    """What an output must not equal or contain: replacing it would delete these."""
+    paths = [("the recipe's directory", recipe_path.absolute().parent), working_directory()]
+    if tune is not None:
+        paths.append(("the --tune-on text", Path(tune.text)))
+    return paths
+
+
+def _override_warnings(recipe: AnyRecipe, models: list[SourceModel]) -> list[str]:
+    merge = getattr(recipe, "merge", None)
+    layers = max(m.config["num_hidden_layers"] for m in models)  # bridged: the deepest
+    return override_layer_warnings(merge, layers) if merge is not None else []
 
 
 def _embed_and_norms(base: SourceModel):

@@ -22,6 +22,7 @@ from rich.table import Table
 
 from moemerge.errors import OutputError, RecipeError
 from moemerge.io.atomic import atomic_output_dir
+from moemerge.io.paths import check_output_apart, working_directory
 
 MARKER = ".moemerge-demo"
 RECIPES = {"moe": "toy_moe.yaml", "merged": "toy_merge.yaml", "seq": "toy_seq_routed.yaml"}
@@ -47,7 +48,10 @@ def bundled_recipe(name: str) -> Path:
 def materialise_toy_set(spec, directory: Path, *, force: bool = False, progress: bool = True):
     """Copy the (cached, made on first use) toy experts into `directory`."""
     from moemerge.toy import cached_toy_experts
+    from moemerge.toy.experts import cache_root
 
+    check_output_apart(directory, [("the toy cache", cache_root())],
+                       contained=[working_directory()])
     toyset = cached_toy_experts(spec, progress=progress)
     with atomic_output_dir(directory, force=force) as tmp:
         for part in ("base", "experts", "data"):

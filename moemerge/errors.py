@@ -27,3 +27,8 @@ class MismatchError(MoemergeError):
 
 class OutputError(MoemergeError):
     """The output cannot be written safely, or failed its own check after writing."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so that every cleanup an interrupt runs (temporary
+    directories removed, old outputs kept) runs for it too. Exit code 143 (128 + SIGTERM)."""

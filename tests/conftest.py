@@ -86,3 +86,27 @@ def model_factory(tmp_path_factory, tokenizer):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory, model_factory):
+    """A token-routed MoE (Mixtral, 2 experts, random router) built from tiny random models,
+    for tests that need one fast: hardening and fault tests."""
+    from moemerge.api import build
+
+    root = tmp_path_factory.mktemp("tiny_moe")
+    base = model_factory("llama")
+    experts = [perturbed_copy(base, root / f"e{i}", scale=0.02, seed=i, only="mlp")
+               for i in range(2)]
+    recipe = write_recipe(root / "recipe.yaml", f"kind: moe\nbase_model: {base}\nexperts: "
+                          f"[{experts[0]}, {experts[1]}]\nrouter: {{init: random}}\n")
+    build(recipe, root / "moe", progress=False, verify="structure")
+    return root / "moe"
+
+
+@pytest.fixture(scope="session")
+def train_text(tmp_path_factory):
+    """A small .txt training file (enough for a few blocks of 16 tokens)."""
+    path = tmp_path_factory.mktemp("text") / "code.txt"
+    path.write_text(TEXT * 40)
+    return path

@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import yaml
 
 from moemerge.analysis.data import load_domain_texts
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.eval.perplexity import perplexity
 from moemerge.io.atomic import RECIPE_COPY
 from moemerge.io.reader import read_config
-from moemerge.modeling import is_merged_experts, is_sequence_routed, register
+from moemerge.modeling import is_merged_experts, is_sequence_routed, load_pretrained
+from moemerge.recipe.load import safe_yaml
 
 SCHEMA = "moemerge.routing/1"  # bump when a key changes meaning or disappears (docs/inspect.md)
 
@@ -170,7 +170,7 @@ def expert_labels(model_dir: Path, num_experts: int) -> list[str]:
     if is_sequence_routed(config) and len(config.get("expert_names") or []) == num_experts:
         return list(config["expert_names"])
     try:
-        recipe = yaml.safe_load((model_dir / RECIPE_COPY).read_text())
+        recipe = safe_yaml((model_dir / RECIPE_COPY).read_text(), RECIPE_COPY)
         experts = recipe["experts"]
         labels: list[str] = []
         for ref in experts:
@@ -179,7 +179,7 @@ def expert_labels(model_dir: Path, num_experts: int) -> list[str]:
             labels.append(label if label not in {"base", *labels} else f"{label}#{len(labels)+1}")
         if recipe.get("include_base_expert"):
             labels.append("base")
-    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
+    except (OSError, UnicodeDecodeError, RecipeError, KeyError, TypeError, AttributeError):
         return default  # no recipe copy (or not one of ours): numbered experts
     return labels if len(labels) == num_experts else default
 
@@ -187,19 +187,17 @@ def expert_labels(model_dir: Path, num_experts: int) -> list[str]:
 def load_moe(model_dir: Path, **overrides):
     """(model, tokenizer) of a local MoE checkpoint in fp32; clear errors for the wrong kind.
     `overrides` replace config fields (e.g. router="perplexity" for a sequence-routed model)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     read_config(model_dir)  # a clear error for a missing or broken config.json
-    register()  # moemerge's own kinds load with the installed code, not the model dir's
     try:
-        moe_shape(AutoConfig.from_pretrained(model_dir), str(model_dir))  # before any weights
+        moe_shape(load_pretrained("AutoConfig", model_dir), str(model_dir))  # before any weights
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
         try:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                         **overrides)
-            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            model = load_pretrained("AutoModelForCausalLM", model_dir, dtype=torch.float32,
+                                    **overrides)
+            tokenizer = load_pretrained("AutoTokenizer", model_dir)
         finally:
             if bars:
                 hf_logging.enable_progress_bar()

@@ -38,9 +38,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# never carried over: `auto_map` names Python files a loader would import from the output
+DROPPED = ("rope_parameters", "dtype", "auto_map", "custom_pipelines")
+
+
 def dense_config(source: dict, dtype: torch.dtype) -> dict:
-    """A dense merge keeps the source's config, normalised to the classic keys."""
-    config = {k: v for k, v in source.items() if k not in ("rope_parameters", "dtype")}
+    """A dense merge keeps the source's config, normalised to the classic keys, without any
+    pointer to remote code."""
+    config = {k: v for k, v in source.items() if k not in DROPPED}
     config.update(rope_keys(source), torch_dtype=dtype_name(dtype))
     config.pop("transformers_version", None)
     return config

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from moemerge.errors import RecipeError
+from moemerge.errors import CheckpointError, RecipeError
 from moemerge.io.atomic import RECIPE_COPY, SIDE_FILES, atomic_output_dir, copy_side_files
 from moemerge.io.reader import CheckpointReader, read_config
-from moemerge.io.writer import ShardedWriter
+from moemerge.io.writer import ShardedWriter, check_free_space
 
 CURVATURE = ".mlp.curvature."
 KEEP = (*SIDE_FILES, RECIPE_COPY)
@@ -25,10 +25,8 @@ KEEP = (*SIDE_FILES, RECIPE_COPY)
 def bake_curvature(model_dir: Path, out: Path, *, force: bool = False,
                    max_shard_bytes: int = 5 * 10**9) -> list[str]:
     """Write the baked model to `out` (atomically); return the names of the baked tensors."""
-    from transformers import AutoModelForCausalLM
-
     from moemerge.assemble.remote_code import copy_modeling_code
-    from moemerge.modeling import is_merged_experts, register
+    from moemerge.modeling import is_merged_experts, load_pretrained
 
     model_dir, out = Path(model_dir), Path(out)
     config = read_config(model_dir)
@@ -37,12 +35,15 @@ def bake_curvature(model_dir: Path, out: Path, *, force: bool = False,
                           f"{config.get('model_type')!r}); only those have curvature to export")
     if config.get("curvature") == "none":
         raise RecipeError(f"{model_dir}: has no curvature (curvature: none); nothing to bake")
-    register()
     with CheckpointReader(model_dir) as reader:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        try:  # the installed modeling code, never the model dir's
+            model = load_pretrained("AutoModelForCausalLM", model_dir, dtype=torch.float32)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"cannot load {model_dir}: {exc}") from None
         baked = model.baked_experts()
         names = [n for n in reader.names() if CURVATURE not in n]
         planned = [(n, reader.meta(n).dtype, reader.meta(n).shape) for n in names]
+        check_free_space(out, sum(reader.meta(n).nbytes for n in names))
         with atomic_output_dir(out, force=force) as tmp:
             with ShardedWriter(tmp, planned, max_shard_bytes=max_shard_bytes) as writer:
                 for name, dtype, _ in planned:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from moemerge.errors import OutputError
 from moemerge.io.reader import CheckpointReader
+from moemerge.modeling import load_pretrained
 from moemerge.plan.jobs import Plan
 
 FULL_LOAD_LIMIT = 2 * 2**30  # bytes; above this only the structure is checked by default
@@ -33,20 +34,15 @@ def check_structure(directory: Path, plan: Plan) -> None:
 
 def check_loads(directory: Path) -> None:
     """Load with transformers and insist on no missing, unexpected or misshapen tensors
-    (moemerge's own kinds with the installed modeling code, the same files that were copied
-    next to the weights: no code is imported from the output directory)."""
+    (moemerge's own kinds with the installed code, of which the shipped files are copies:
+    nothing is imported from the output directory)."""
     import torch
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from moemerge.modeling import register
-
-    register()
     hf_logging.disable_progress_bar()  # moemerge's own bar is the one the user watches
     try:
-        _, info = AutoModelForCausalLM.from_pretrained(
-            directory, output_loading_info=True, dtype=torch.float32, trust_remote_code=False,
-        )
+        _, info = load_pretrained("AutoModelForCausalLM", directory, output_loading_info=True,
+                                  dtype=torch.float32)
     except Exception as exc:  # any failure here means the output is not usable
         raise OutputError(f"output check failed: transformers cannot load it: {exc}") from exc
     finally:

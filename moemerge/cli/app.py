@@ -1,11 +1,14 @@
 """The Typer app, its consoles and the one place errors become exit codes.
 
 Exit codes scripts can rely on: 0 success, 1 runtime error (bad or missing checkpoint, mismatch
-between models, failed output check), 2 recipe or usage error, 130 interrupted.
+between models, failed output check), 2 recipe or usage error, 130 interrupted (Ctrl-C),
+143 terminated (SIGTERM).
 """
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Callable
 from functools import wraps
 from typing import Annotated
@@ -14,7 +17,7 @@ import typer
 from rich.console import Console
 
 from moemerge import __version__
-from moemerge.errors import MoemergeError
+from moemerge.errors import MoemergeError, Terminated
 
 app = typer.Typer(
     name="moemerge",
@@ -30,20 +33,39 @@ err = Console(stderr=True)
 
 
 def reports_errors(command: Callable) -> Callable:
-    """Turn moemerge's own errors into one red paragraph and the error's exit code."""
+    """Turn moemerge's own errors into one red paragraph and the error's exit code; SIGTERM
+    is handled like Ctrl-C (the temporary output is removed), exit code 143."""
 
     @wraps(command)
     def run(*args, **kwargs):
+        previous = _on_sigterm(_terminate)
         try:
             return command(*args, **kwargs)
         except MoemergeError as exc:
             err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             err.print("[yellow]interrupted; no output was left behind[/]")
-            raise typer.Exit(130) from None
+            raise typer.Exit(143 if isinstance(exc, Terminated) else 130) from None
+        except OSError as exc:  # the machine's own refusal (permissions, a full disk, ...)
+            err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+        finally:
+            _on_sigterm(previous)
 
     return run
+
+
+def _terminate(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the cleanup must not be cut short
+    raise Terminated()
+
+
+def _on_sigterm(handler):
+    """Install `handler` for SIGTERM (main thread only); return the previous one."""
+    if handler is None or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def _version(value: bool) -> None:

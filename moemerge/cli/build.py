@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -59,6 +60,14 @@ def build(
         int, typer.Option(help="Tokens of the held-out text scored per candidate.")
     ] = 8192,
     tune_seq_len: Annotated[int, typer.Option(help="Window length when scoring.")] = 64,
+    strict: Annotated[
+        bool, typer.Option("--strict", help="NaN/Inf in an input tensor is an error, not a "
+                           "warning.")
+    ] = False,
+    allow_non_finite: Annotated[
+        bool, typer.Option("--allow-non-finite", help="Write output tensors holding NaN/Inf "
+                           "(refused by default).")
+    ] = False,
 ) -> None:
     """Build a merged dense model or an MoE from RECIPE into OUTPUT."""
     from moemerge.api import build as run_build
@@ -79,7 +88,8 @@ def build(
     result = run_build(
         recipe, output, force=force, dry_run=dry_run, allow_pickle=allow_pickle,
         verify=verify, progress=not quiet and sys.stderr.isatty(),  # type: ignore[arg-type]
-        tune=tune, on_candidate=None if quiet else _print_candidate,
+        tune=tune, on_candidate=None if quiet else _print_candidate, strict=strict,
+        allow_non_finite=allow_non_finite, warn=_print_warning,
     )
     if result.tuning is not None:
         from moemerge.tune import tuning_table
@@ -106,9 +116,17 @@ def _floats(option: str, text: str) -> tuple[float, ...]:
     from moemerge.errors import RecipeError
 
     try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
+        values = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise RecipeError(f"{option}: expected comma-separated numbers, got {text!r}") from None
+        values = (math.nan,)
+    if not all(map(math.isfinite, values)):
+        raise RecipeError(f"{option}: expected comma-separated numbers, all finite, got "
+                          f"{text[:80]!r}")
+    return values
+
+
+def _print_warning(message: str) -> None:
+    err.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
 
 
 def _print_candidate(c) -> None:

@@ -24,7 +24,9 @@ def export(
     computes the same outputs with no curvature matrices (config curvature: none)."""
     from moemerge.assemble.bake import bake_curvature
     from moemerge.errors import OutputError
+    from moemerge.io.paths import check_output_apart, working_directory
 
+    check_output_apart(output, [("the input model", model)], contained=[working_directory()])
     if output.exists() and not force:
         raise OutputError(f"{output} already exists; pass --force to replace it")
     baked = bake_curvature(model, output, force=force)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from rich.table import Table
 
 from moemerge.errors import CheckpointError
+from moemerge.modeling import load_pretrained
 
 ModelRef = Path | str | torch.nn.Module | tuple  # a path, a model, or (model, tokenizer)
 
@@ -78,17 +79,14 @@ def _next_token_logits(model, ids: torch.Tensor, prompt: int) -> torch.Tensor:
 def _load(ref: ModelRef, tokenizer):
     """(model, tokenizer, loaded_here) for a path, a model (needs `tokenizer`) or a pair."""
     if isinstance(ref, (str, Path)):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
-        from moemerge.modeling import register
-
-        register()  # moemerge's own MoE kinds, with the installed modeling code
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # a "Loading weights" bar per model only adds noise
         try:
-            model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32)
-            tokenizer = AutoTokenizer.from_pretrained(ref)
+            # moemerge's own MoE kinds with the installed code; never the model dir's
+            model = load_pretrained("AutoModelForCausalLM", ref, dtype=torch.float32)
+            tokenizer = load_pretrained("AutoTokenizer", ref)
         except (OSError, ValueError) as exc:
             raise CheckpointError(
                 f"cannot load a causal LM and its tokenizer from {ref}: {exc}"
@@ -111,10 +109,8 @@ def load_causal_lm(path: Path) -> tuple:
 
 
 def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return load_pretrained("AutoTokenizer", path)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"cannot load a tokenizer from {path}: {exc}") from None
 

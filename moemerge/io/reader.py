@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from moemerge.errors import CheckpointError
+from moemerge.io.paths import confined
 
 # safetensors dtype strings -> torch dtypes (the writer uses the inverse map)
 DTYPES: dict[str, torch.dtype] = {
@@ -45,8 +46,13 @@ class TensorMeta:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit; a larger claim is not a header
+
+
 def read_safetensors_header(file: Path) -> dict[str, TensorMeta]:
-    """Tensor metadata of one .safetensors file in data order, validated against its size."""
+    """Tensor metadata of one .safetensors file in data order, validated against its size:
+    every entry well-formed, and the tensors' byte ranges tiling the data exactly (an overlap
+    or a gap would silently give wrong weights)."""
     try:
         size = file.stat().st_size
         with open(file, "rb") as f:
@@ -59,9 +65,14 @@ def read_safetensors_header(file: Path) -> dict[str, TensorMeta]:
                     f"{file} is truncated or not a safetensors file: its header claims "
                     f"{length} bytes but the file has {size}"
                 )
+            if length > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{file}: its header claims {length} bytes, more than "
+                                      f"the {MAX_HEADER_BYTES} a safetensors header may have")
             header = json.loads(f.read(length))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{file}: cannot read the safetensors header: {exc}") from None
+    except RecursionError:  # JSON nested thousands deep
+        raise CheckpointError(f"{file}: the safetensors header is nested too deeply") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: the safetensors header is not a JSON object")
     data_size = size - 8 - length  # offsets are relative to the end of the header
@@ -69,14 +80,10 @@ def read_safetensors_header(file: Path) -> dict[str, TensorMeta]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype_name, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
-            shape = tuple(int(d) for d in shape)
-        except (TypeError, KeyError, ValueError):
-            raise CheckpointError(f"{file}: malformed header entry for tensor {name!r}") from None
+        dtype_name, shape, (start, end) = _header_entry(file, name, info)
         dtype = DTYPES.get(dtype_name)
         if dtype is None:
-            raise CheckpointError(f"{file}: tensor {name!r} has unknown dtype {dtype_name!r}")
+            raise CheckpointError(f"{file}: tensor {name!r} has unknown dtype {dtype_name[:20]!r}")
         if end > data_size:
             raise CheckpointError(
                 f"{file} is truncated: tensor {name!r} needs bytes up to {end} but the file has "
@@ -86,8 +93,41 @@ def read_safetensors_header(file: Path) -> dict[str, TensorMeta]:
         if not 0 <= start <= end or end - start != meta.nbytes:
             raise CheckpointError(f"{file}: tensor {name!r} has data_offsets [{start}, {end}] "
                                   f"that do not fit its shape {list(shape)} and dtype {dtype_name}")
-        entries.append((start, meta))
-    return {meta.name: meta for _, meta in sorted(entries, key=lambda e: e[0])}
+        entries.append((start, end, meta))
+    entries.sort(key=lambda e: (e[0], e[1]))
+    _check_tiling(file, [(s, e, m.name) for s, e, m in entries], data_size)
+    return {meta.name: meta for _, _, meta in entries}
+
+
+def _header_entry(file: Path, name: str, info: object) -> tuple[str, tuple[int, ...], tuple]:
+    """(dtype, shape, (start, end)) of one header entry, every field of its JSON type."""
+    def integer(x: object) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+    if isinstance(info, dict):
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if (isinstance(dtype, str) and isinstance(shape, list) and all(map(integer, shape))
+                and isinstance(offsets, list) and len(offsets) == 2
+                and all(map(integer, offsets))):
+            return dtype, tuple(shape), tuple(offsets)
+    raise CheckpointError(f"{file}: malformed header entry for tensor {name[:200]!r} (needs "
+                          "dtype: string, shape: list of ints, data_offsets: [int, int])")
+
+
+def _check_tiling(file: Path, ranges: list[tuple[int, int, str]], data_size: int) -> None:
+    """Sorted byte ranges must follow each other with no overlap and no gap, and fill the data."""
+    cursor, previous = 0, None
+    for start, end, name in ranges:
+        if start != cursor:
+            what = "overlaps" if start < cursor else "leaves a gap after"
+            after = f"tensor {previous!r}" if previous is not None else "the header"
+            raise CheckpointError(f"{file}: tensor {name!r} (bytes [{start}, {end}]) {what} "
+                                  f"{after} (which ends at {cursor}); the file is corrupt or "
+                                  "crafted, its weights cannot be trusted")
+        cursor, previous = end, name
+    if cursor != data_size:
+        raise CheckpointError(f"{file}: {data_size - cursor} bytes after the last tensor "
+                              f"({previous!r}) belong to no tensor; the file is corrupt")
 
 
 def read_config(directory: Path) -> dict:
@@ -98,10 +138,11 @@ def read_config(directory: Path) -> dict:
     file = directory / "config.json"
     if not file.is_file():
         raise CheckpointError(f"{file} is missing: a model directory needs its config.json")
+    confined(file, directory)
     try:
         config = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{file} is not valid JSON: {exc}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"{file} is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{file} is not a JSON object")
     return config
@@ -129,27 +170,38 @@ class CheckpointReader:
                 self.metas[name] = meta
 
     def _weight_files(self) -> list[Path]:
+        """The weight files, each inside the directory (links resolved; a hub snapshot's
+        blob store allowed) and each pickle refused unless allowed, however it is listed."""
         d = self.directory
         # safetensors first: hub repos often carry both formats, and the .bin index is a .json
         if (d / SAFETENSORS_INDEX).is_file():
-            return self._indexed_files(d / SAFETENSORS_INDEX)
-        single = d / "model.safetensors"
-        if found := [single] if single.is_file() else sorted(d.glob("*.safetensors")):
-            return found
-        if (d / PICKLE_INDEX).is_file():
-            pickles = self._indexed_files(d / PICKLE_INDEX)
+            files = self._indexed_files(d / SAFETENSORS_INDEX)
+        elif (single := d / "model.safetensors").is_file():
+            files = [single]
+        elif found := sorted(d.glob("*.safetensors")):
+            files = found
+        elif (d / PICKLE_INDEX).is_file():
+            files = self._indexed_files(d / PICKLE_INDEX)
         elif (d / "pytorch_model.bin").is_file():
-            pickles = [d / "pytorch_model.bin"]
-        elif not (pickles := sorted(d.glob("*.bin"))):
+            files = [d / "pytorch_model.bin"]
+        elif not (files := sorted(d.glob("*.bin"))):
             raise CheckpointError(f"{d} holds no weights (*.safetensors or *.bin)")
-        return [self._check_pickle(f) for f in pickles]
+        files = [confined(f, d, "weight file") for f in files]
+        return [f if f.suffix == ".safetensors" else self._check_pickle(f) for f in files]
 
     def _indexed_files(self, index: Path) -> list[Path]:
+        confined(index, self.directory, "index")
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(self.directory / f for f in set(weight_map.values()))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index} is not a valid index: {exc!r}") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
+                RecursionError) as exc:
+            raise CheckpointError(f"{index} is not a valid index: {str(exc)[:200]}") from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) and f for f in weight_map.values()):
+            raise CheckpointError(f"{index} is not a valid index: its weight_map must map "
+                                  "tensor names to file names")
+        files = sorted(confined(Path(f), self.directory, f"file listed in {index.name}")
+                       for f in set(weight_map.values()))
         for file in files:
             if not file.is_file():
                 raise CheckpointError(f"shard {file} is listed in {index.name} but missing")

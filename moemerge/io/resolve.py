@@ -19,19 +19,31 @@ def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def looks_like_path(ref: str) -> bool:
-    """A reference the user meant as a path: never sent to the hub."""
+# a name ending like a file (`r.yaml`, `model.safetensors`) was meant as a path, not a repo
+FILE_SUFFIXES = (".yaml", ".yml", ".json", ".jsonl", ".txt", ".safetensors", ".bin", ".pt",
+                 ".pth", ".gguf", ".py", ".md")
+
+
+def looks_like_path(ref: str, near: tuple[Path, ...] = ()) -> bool:
+    """A reference the user meant as a path: never sent to the hub. That is one starting with
+    `.`, `/` or `~`, with more than one `/`, ending like a file name, or whose first part names
+    an existing directory (here or in one of `near`, e.g. the recipe's directory)."""
+    first = ref.split("/", 1)[0]
     return (ref.startswith((".", "/", "~")) or ref.count("/") > 1 or "\\" in ref
-            or not HUB_ID.fullmatch(ref))
+            or not HUB_ID.fullmatch(ref) or ref.lower().endswith(FILE_SUFFIXES)
+            or any((Path(d) / first).exists() for d in (Path.cwd(), *near)))
 
 
-def resolve_model(ref: str, revision: str | None = None) -> Path:
+def resolve_model(ref: str, revision: str | None = None, near: tuple[Path, ...] = ()) -> Path:
     """The local directory holding `ref`: the directory itself, or a hub snapshot (downloaded
     unless HF_HUB_OFFLINE is set, in which case only the local cache is consulted)."""
     path = Path(ref).expanduser()
     if path.is_dir():
         return path.resolve()
-    if looks_like_path(ref):
+    if path.exists():
+        raise CheckpointError(f"model {ref} is a file; a model is a directory (config.json, "
+                              "weights, tokenizer) or a hub id")
+    if looks_like_path(ref, near):
         raise CheckpointError(f"model directory {ref} does not exist")
     from huggingface_hub import snapshot_download  # slow import, only for hub ids
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from moemerge.errors import OutputError
+from moemerge.io.atomic import NO_SPACE, free_bytes
 from moemerge.io.reader import DTYPES, SAFETENSORS_INDEX
 
 Planned = tuple[str, torch.dtype, tuple[int, ...]]
@@ -125,6 +126,8 @@ class ShardedWriter:
                 self._where |= {name: (index, offset) for name, offset in offsets.items()}
         except OSError as exc:
             self._release()
+            if exc.errno in NO_SPACE:
+                raise self._no_space(exc, "creating the shards", self.total_bytes) from None
             raise OutputError(f"cannot create shards in {self.directory}: {exc}") from None
 
     @property
@@ -151,8 +154,21 @@ class ShardedWriter:
         shard, offset = self._where[name]
         # [numel] -> [numel · itemsize] raw bytes; works for bf16 / fp8, which numpy lacks
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        _pwrite_all(self._fds[shard], memoryview(data), offset)
+        try:
+            _pwrite_all(self._fds[shard], memoryview(data), offset)
+        except OSError as exc:
+            if exc.errno not in NO_SPACE:
+                raise OutputError(f"cannot write {self._files[shard]}: {exc.strerror}") from None
+            left = self.total_bytes - sum(_nbytes(*self._planned[n]) for n in self._written)
+            raise self._no_space(exc, f"writing {name!r}", left) from None
         self._written.add(name)
+
+    def _no_space(self, exc: OSError, doing: str, left: int) -> OutputError:
+        free = free_bytes(self.directory)
+        return OutputError(
+            f"no space left for the output in {self.directory.parent} ({exc.strerror}) while "
+            f"{doing}: it needs {left / 2**20:.1f} MiB more, {free / 2**20:.1f} MiB are free; "
+            "nothing was left behind")
 
     def close(self) -> None:
         """Check every tensor was written, fsync, and write the index when there are shards."""
@@ -164,8 +180,13 @@ class ShardedWriter:
             shown = ", ".join(repr(n) for n in missing[:10])
             more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
             raise OutputError(f"{len(missing)} planned tensors were never written: {shown}{more}")
-        for fd in self._fds:
-            os.fsync(fd)
+        try:
+            for fd in self._fds:
+                os.fsync(fd)  # delayed allocation may report ENOSPC only now
+        except OSError as exc:
+            self._release()
+            raise OutputError(f"cannot write the shards in {self.directory}: "
+                              f"{exc.strerror}") from None
         self._release()
         if len(self._files) > 1:
             index = {"metadata": {"total_size": self.total_bytes},
@@ -187,6 +208,21 @@ class ShardedWriter:
             self.close()
         else:  # the build failed: keep its error, not a "tensors missing" one
             self._release()
+
+
+SPACE_MARGIN = 1.02  # headers, config, tokenizer, card: a little over the tensor bytes
+
+
+def check_free_space(out: Path, tensor_bytes: int) -> None:
+    """Refuse up front an output the device of `out` cannot hold (ENOSPC half-way through a
+    long build wastes the build); `tensor_bytes` from the plan."""
+    parent = Path(out).absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    need, free = int(tensor_bytes * SPACE_MARGIN) + 2**20, free_bytes(parent)
+    if need > free:
+        raise OutputError(f"not enough space for {out}: it needs about {need / 2**20:.1f} MiB "
+                          f"and the device of {parent} has {free / 2**20:.1f} MiB free")
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:

@@ -137,3 +137,15 @@ def zero_pad(tensor: Tensor, shape: Sequence[int]) -> Tensor:
     out = tensor.new_zeros(shape)
     out[tuple(slice(0, n) for n in tensor.shape)] = tensor
     return out
+
+
+def count_non_finite(tensor: Tensor, chunk: int = 1 << 24) -> int:
+    """How many NaN / ±Inf entries a floating-point tensor holds (0 for integer tensors).
+    One fp32 sum first (NaN and Inf propagate, so a finite sum means a finite tensor: no mask
+    is made for the usual case); only then counted, in chunks, so a [V, d] embedding costs no
+    full-size mask (an overflowing sum of finite values counts 0)."""
+    if not tensor.is_floating_point() or torch.isfinite(tensor.sum(dtype=torch.float32)):
+        return 0
+    flat = tensor.reshape(-1)
+    return sum(int((~torch.isfinite(flat[i:i + chunk])).sum())
+               for i in range(0, flat.numel(), chunk))

@@ -88,3 +88,15 @@ def resolve_merge(spec: MergeSpec, role: str, layer: int | None,
         (p.name, p.default if given.get(p.name) is None else at_layer(given[p.name], index,
                                                                       count))
         for p in method_spec.params))
+
+
+def override_layer_warnings(spec: MergeSpec, num_layers: int) -> list[str]:
+    """A warning per override naming layers the model does not have (they never apply)."""
+    warnings = []
+    for index, override in enumerate(spec.overrides):
+        beyond = sorted({n for n in override.layers or () if not 0 <= n < num_layers})
+        if beyond:
+            warnings.append(f"merge.overrides[{index}].layers: {beyond[:10]} beyond the model's "
+                            f"{num_layers} layers (0..{num_layers - 1}); the override never "
+                            "applies there")
+    return warnings

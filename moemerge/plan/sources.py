@@ -11,8 +11,10 @@ from pathlib import Path
 
 from moemerge.architectures import DenseFamily, TensorRole, family_for_config
 from moemerge.errors import CheckpointError, MismatchError
+from moemerge.io.paths import confined
 from moemerge.io.reader import CheckpointReader
 from moemerge.io.resolve import resolve_model
+from moemerge.plan.shapes import check_config_shapes
 from moemerge.recipe.models import ModelRef
 
 # config.json keys on which every input model must agree for tensors to line up
@@ -45,8 +47,11 @@ def resolve_ref(ref: ModelRef, recipe_dir: Path | None) -> Path:
     candidate = recipe_dir / ref.model
     if candidate.is_dir():
         return candidate.resolve()
+    if candidate.exists():
+        raise CheckpointError(f"model {ref.model} is the file {candidate}; a model is a "
+                              "directory (config.json, weights, tokenizer) or a hub id")
     try:
-        return resolve_model(ref.model, ref.revision)
+        return resolve_model(ref.model, ref.revision, near=(recipe_dir,))
     except CheckpointError as exc:
         raise CheckpointError(f"{exc} (also looked for the directory {candidate})") from None
 
@@ -76,6 +81,8 @@ def open_sources(
                     "moemerge/architectures/dense.yaml."
                 )
             roles[name] = role
+        check_config_shapes(reader.config, roles,
+                            {n: m.shape for n, m in reader.metas.items()}, f"{label} ({path})")
         models.append(SourceModel(label, path, reader, family, roles))
     (check or check_compatible)(models)
     return models
@@ -130,7 +137,12 @@ def vocab_fingerprint(path: Path) -> str | None:
     file = path / "tokenizer.json"
     if not file.is_file():
         return None
-    data = json.loads(file.read_text())
+    try:
+        data = json.loads(confined(file, path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{file} is not a valid tokenizer file: {str(exc)[:200]}") from None
     payload = json.dumps([data.get("model"), data.get("added_tokens")], sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 

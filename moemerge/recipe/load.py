@@ -1,4 +1,9 @@
-"""Read a recipe file; report every error at once, each naming the file and the field."""
+"""Read a recipe file; report every error at once, each naming the file and the field.
+
+YAML is read with a budget: aliases may add at most ALIAS_BUDGET nodes to the document (a
+436-byte "billion laughs" recipe otherwise expands to gigabytes once validated and printed),
+and no message echoes more than a short prefix of a value.
+"""
 
 from __future__ import annotations
 
@@ -45,11 +50,78 @@ def _field_path(loc: tuple) -> str:
 
 def recipe_errors(data: object) -> list[str]:
     """Every problem with already-parsed recipe data, as 'field: message' lines."""
+    if not isinstance(data, dict):
+        what = "nothing" if data is None else f"a {type(data).__name__} ({short(data, 40)})"
+        return [f"a recipe is a mapping of fields (kind: merge or moe, models or experts, ...); "
+                f"this one holds {what}"]
     try:
         _ADAPTER.validate_python(data)
     except ValidationError as exc:
         return [_describe(err) for err in exc.errors()]
     return []
+
+
+ALIAS_BUDGET = 10_000  # nodes that aliases may add to a document
+MAX_ERRORS_SHOWN = 20
+
+
+def short(value: object, limit: int = 60) -> str:
+    """repr(value), cut to `limit` characters: user values in messages stay bounded."""
+    text = repr(value)  # bounded: the alias budget keeps recipe values small
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def safe_yaml(text: str, source: str) -> object:
+    """yaml.safe_load with the alias budget and a clean error for anything malformed."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        added = _alias_growth(node)
+        if added > ALIAS_BUDGET:
+            raise RecipeError(f"{source}: YAML aliases would expand the recipe by more than "
+                              f"{ALIAS_BUDGET} nodes (a recursive or \"billion laughs\" alias); "
+                              "refused")
+        return loader.construct_document(node)
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{source}: not valid YAML: {str(exc)[:500]}") from None
+    except RecursionError:
+        raise RecipeError(f"{source}: the YAML is nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return list(node.value) if isinstance(node, yaml.SequenceNode) else []
+
+
+def _alias_growth(root: yaml.Node) -> float:
+    """How many nodes the document gains when every alias is expanded (inf for a cycle):
+    expanded size minus distinct nodes, counted in linear time over the shared graph."""
+    size: dict[int, float] = {}
+    open_: set[int] = set()  # nodes whose children are still being counted: a cycle's path
+    stack = [(root, False)]
+    while stack:
+        node, counted = stack.pop()
+        if counted:
+            open_.discard(id(node))
+            size[id(node)] = 1 + sum(size[id(c)] for c in _children(node))
+            if size[id(node)] - len(size) > ALIAS_BUDGET:
+                return size[id(node)]  # stop early: no need to count a bomb to the end
+            continue
+        if id(node) in size:
+            continue
+        open_.add(id(node))
+        stack.append((node, True))
+        for child in _children(node):
+            if id(child) in open_:
+                return float("inf")
+            if id(child) not in size:
+                stack.append((child, False))
+    return size[id(root)] - len(size)
 
 
 def _describe(err: dict) -> str:
@@ -60,20 +132,22 @@ def _describe(err: dict) -> str:
         data = err["input"]
         if data.get("kind") == "moe":
             return (f"assembly: must be one of {', '.join(ASSEMBLIES)}, got "
-                    f"{data.get('assembly')!r}")
-        return f"kind: must be 'merge' or 'moe', got {data.get('kind')!r}"
+                    f"{short(data.get('assembly'))}")
+        return f"kind: must be 'merge' or 'moe', got {short(data.get('kind'))}"
     if err["type"] == "union_tag_not_found":
         return "kind: missing; say 'kind: merge' (dense merge) or 'kind: moe'"
-    msg = err["msg"].removeprefix("Value error, ")
+    msg = err["msg"].removeprefix("Value error, ")[:300]
     # whole-recipe checks name their own field at the start of the message
-    return f"{field}: {msg}" if field else msg
+    return f"{field[:200]}: {msg}" if field else msg
 
 
 def parse_recipe(data: object, source: str = "<recipe>") -> AnyRecipe:
     errors = recipe_errors(data)
     if errors:
         noun = "error" if len(errors) == 1 else "errors"
-        lines = "\n".join(f"  - {e}" for e in errors)
+        lines = "\n".join(f"  - {e}" for e in errors[:MAX_ERRORS_SHOWN])
+        if len(errors) > MAX_ERRORS_SHOWN:
+            lines += f"\n  ... and {len(errors) - MAX_ERRORS_SHOWN} more"
         raise RecipeError(f"{source}: {len(errors)} recipe {noun}:\n{lines}")
     return _ADAPTER.validate_python(data)
 
@@ -82,9 +156,13 @@ def load_recipe_data(path: Path) -> object:
     if not path.is_file():
         raise RecipeError(f"{path}: recipe file not found")
     try:
-        return yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"{path}: not valid YAML: {exc}") from None
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"{path}: not UTF-8 text (byte {exc.start}); a recipe is a YAML "
+                          "text file") from None
+    except OSError as exc:
+        raise RecipeError(f"{path}: cannot read the recipe: {exc.strerror}") from None
+    return safe_yaml(text, str(path))
 
 
 def load_recipe(path: Path) -> AnyRecipe:

@@ -30,7 +30,8 @@ def _refs_from_str(value):
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # every float must be finite: a NaN lambda or an infinite weight builds a NaN model
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelRef(Strict):
@@ -67,6 +68,21 @@ class _RecipeBase(Strict):
     _model_refs = field_validator(
         "base_model", "models", "experts", mode="before", check_fields=False
     )(_refs_from_str)
+
+    @model_validator(mode="after")
+    def _inputs_usable(self):
+        """Weights that can be normalised, and expert names that tell experts apart."""
+        field = "models" if hasattr(self, "models") else "experts"
+        refs = getattr(self, field, None) or []
+        if refs and sum(r.weight for r in refs) <= 0:
+            raise ValueError(f"{field}: the weights sum to 0; give at least one model a weight "
+                             "above 0")
+        names = [r.name for r in refs if getattr(r, "name", None) is not None]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"{field}: expert name(s) {', '.join(map(repr, twice))} given "
+                             "more than once; each expert needs its own name")
+        return self
 
 
 class MergeRecipe(_RecipeBase):

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from moemerge.errors import CheckpointError
+from moemerge.modeling import load_pretrained
 from moemerge.recipe.models import ExpertRef
 from moemerge.routing.init import contrast_rows
 
@@ -24,10 +25,8 @@ def _tokenize(tokenizer, prompts: list[str], max_tokens: int) -> list[torch.Tens
 
 
 def _load_tokenizer(base_dir: Path):
-    from transformers import AutoTokenizer
-
     try:
-        return AutoTokenizer.from_pretrained(base_dir)
+        return load_pretrained("AutoTokenizer", base_dir)
     except (OSError, ValueError) as exc:
         raise CheckpointError(
             f"router init from prompts needs the base model's tokenizer, but none loads from "
@@ -67,10 +66,12 @@ def prompt_router_rows(
     base_dir: Path, experts: list[ExpertRef], *, include_base: bool, max_tokens: int
 ) -> torch.Tensor:
     """Router weights for every layer from the experts' prompts: [L, E, H]."""
-    from transformers import AutoModelForCausalLM
-
     tokenizer = _load_tokenizer(base_dir)
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    try:
+        model = load_pretrained("AutoModelForCausalLM", base_dir, dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"router init from prompts runs the base model, but it does not "
+                              f"load from {base_dir}: {exc}") from None
     model.eval()
 
     def means(prompts: list[str]) -> torch.Tensor | None:

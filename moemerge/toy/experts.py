@@ -20,13 +20,13 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from moemerge.io.atomic import owned_tempdir, sweep_stale
 from moemerge.toy.corpora import DOMAINS, domain_texts
 from moemerge.toy.tokenizer import train_tokenizer
 from moemerge.toy.train import (
@@ -226,10 +226,11 @@ def cached_toy_experts(
     looks complete; when two processes race, the first rename wins and the loser uses its set.
     """
     final = Path(cache_dir or cache_root()) / "toy" / spec.key()
+    sweep_stale(final.parent, f".{final.name}-")  # half-made sets of killed processes
     if (final / TOYSET_FILE).is_file() and not rebuild:
         return ToySet.load(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    tmp = owned_tempdir(final.parent, f".{final.name}-")
     try:
         make_toy_experts(spec, tmp, progress=progress)
         if final.exists() and (rebuild or not (final / TOYSET_FILE).is_file()):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,8 +15,9 @@ import yaml
 from rich.console import Console
 
 from moemerge.errors import CheckpointError, OutputError, RecipeError
+from moemerge.io.paths import check_output_apart, working_directory
 from moemerge.io.reader import CheckpointReader
-from moemerge.modeling import is_merged_experts, is_sequence_routed, register
+from moemerge.modeling import is_merged_experts, is_sequence_routed, load_pretrained
 from moemerge.train import checkpoint, distributed, loop, report, sharding
 from moemerge.train.config import TrainConfig
 from moemerge.train.data import Blocks, collect_texts, make_blocks
@@ -37,19 +39,18 @@ class FinetuneResult:
 
 
 def _load(cfg: TrainConfig, device: torch.device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from moemerge.toy.train import quiet_transformers
 
     with CheckpointReader(Path(cfg.model)) as reader:  # clear errors for a missing/truncated one
         ours = is_sequence_routed(reader.config) or is_merged_experts(reader.config)
-    register()  # moemerge's own kinds load with the installed code, not the model dir's
+    # moemerge's own kinds load with the installed code, never the model dir's; other code
+    # from the model dir only with --trust-remote-code
+    trust = cfg.trust_remote_code and not ours
     try:
         with quiet_transformers():
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-            model = AutoModelForCausalLM.from_pretrained(  # ours: never the model dir's code
-                cfg.model, dtype=torch.float32,
-                trust_remote_code=cfg.trust_remote_code and not ours)
+            tokenizer = load_pretrained("AutoTokenizer", cfg.model, trust_remote_code=trust)
+            model = load_pretrained("AutoModelForCausalLM", cfg.model, dtype=torch.float32,
+                                    trust_remote_code=trust)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"cannot load a causal LM and its tokenizer from {cfg.model}: "
                               f"{exc}") from None
@@ -58,6 +59,11 @@ def _load(cfg: TrainConfig, device: torch.device):
 
 def _check_outputs(cfg: TrainConfig, ctx: distributed.Dist) -> None:
     out, root = Path(cfg.output), checkpoint.checkpoint_root(Path(cfg.output))
+    data = [("--data", Path(spec.partition("=")[2] if "=" in spec and not Path(spec).exists()
+                            else spec)) for spec in cfg.data]
+    for target in (out, root):  # --force deletes both: neither may hold an input
+        check_output_apart(target, [("the input model", Path(cfg.model))],
+                           contained=[working_directory(), *data])
     if out.exists() and not cfg.force:
         raise OutputError(f"{out} already exists; pass --force to replace it")
     if root.exists() and not cfg.resume and checkpoint.latest(root) is not None:
@@ -153,12 +159,19 @@ def _resume(cfg, params, optim, console) -> tuple[list[dict], int]:
     """(metrics so far, first step) from the latest checkpoint with --resume, else ([], 0)."""
     if not cfg.resume:
         return [], 0
-    found = checkpoint.latest(checkpoint.checkpoint_root(Path(cfg.output)))
-    if found is None:
+    def warn(message: str) -> None:
+        if console:
+            console.print(f"[yellow]warning:[/] {message}", highlight=False)
+        else:
+            warnings.warn(message, stacklevel=2)
+
+    loaded = checkpoint.load_latest(checkpoint.checkpoint_root(Path(cfg.output)),
+                                    cfg.fingerprint(), warn)  # full tensors, also under FSDP
+    if loaded is None:
         if console:
             console.print("[yellow]note:[/] --resume: no checkpoint yet; starting afresh")
         return [], 0
-    state = checkpoint.load(found, cfg.fingerprint())  # full tensors, also under FSDP
+    found, state = loaded
     with torch.no_grad():
         for name, value in state["trainable"].items():
             params[name].copy_(sharding.shard_like(value, params[name]))

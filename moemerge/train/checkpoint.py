@@ -4,18 +4,25 @@ A checkpoint holds what changes during training and nothing else: the trainable 
 the optimizer and scheduler states, the RNG states, the step (the data position: batches are a
 pure function of the step) and the metrics so far. Resuming on CPU retraces the uninterrupted
 run bit for bit.
+
+Loading never unpickles objects (`weights_only=True`: tensors, numbers, strings and plain
+containers only), so a crafted state.pt cannot run code. Each checkpoint is fsynced (file,
+then directory) before it is renamed into place; a latest one that is unreadable anyway (a
+crash on a file system that lies about fsync, a copy cut short) is skipped with a warning for
+the one before it.
 """
 
 from __future__ import annotations
 
 import random
 import shutil
-import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from moemerge.errors import CheckpointError, RecipeError
+from moemerge.io.atomic import fsync_dir, fsync_tree, owned_tempdir, sweep_stale
 
 STATE = "state.pt"
 
@@ -24,11 +31,20 @@ def checkpoint_root(out: Path) -> Path:
     return Path(f"{Path(out)}.checkpoints")
 
 
-def latest(root: Path) -> Path | None:
-    """The finished checkpoint with the highest step, if any (temporary dirs start with '.')."""
+TMP_PREFIX = ".step-*.tmp-"  # .step-N.tmp-<pid>-XXXX: the owner's pid, for the sweep
+
+
+def finished(root: Path) -> list[Path]:
+    """The finished checkpoints, highest step first (temporary dirs start with '.')."""
     found = [(int(p.name[5:]), p) for p in root.glob("step-*")
              if p.name[5:].isdigit() and (p / STATE).is_file()] if root.is_dir() else []
-    return max(found)[1] if found else None
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def latest(root: Path) -> Path | None:
+    """The finished checkpoint with the highest step, if any."""
+    found = finished(root)
+    return found[0] if found else None
 
 
 def rng_state() -> dict:
@@ -48,13 +64,16 @@ def set_rng_state(state: dict) -> None:
 def save(root: Path, step: int, state: dict, keep: int) -> Path:
     """Write step-`step` atomically (temp dir, then rename) and keep only the last `keep`."""
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".step-{step}.tmp-", dir=root))
+    sweep_stale(root, TMP_PREFIX)  # left by a killed run
+    tmp = owned_tempdir(root, f".step-{step}.tmp-")
     final = root / f"step-{step}"
     try:
         torch.save({**state, "step": step}, tmp / STATE)
+        fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -64,12 +83,42 @@ def save(root: Path, step: int, state: dict, keep: int) -> Path:
     return final
 
 
+def load_latest(root: Path, fingerprint: dict,
+                warn: Callable[[str], None]) -> tuple[Path, dict] | None:
+    """(path, state) of the newest checkpoint that loads, `warn`ing about each newer one that
+    does not; None when there is none. Different training settings are an error, not a skip."""
+    failures = []
+    for path in finished(root):
+        try:
+            return path, load(path, fingerprint)
+        except CheckpointError as exc:
+            failures.append(str(exc))
+            warn(f"{exc}; falling back to the checkpoint before it")
+    if failures:
+        raise CheckpointError(f"--resume: no checkpoint in {root} can be loaded "
+                              f"({len(failures)} tried; the latest: {failures[0]}); start "
+                              "afresh without --resume")
+    return None
+
+
+def _reason(exc: Exception) -> str:
+    """torch's refusal without its advice to retry with weights_only=False."""
+    text = str(exc)
+    if text.startswith("Weights only load failed"):  # the why is the first line after advice
+        found = [line for line in text.splitlines()[1:] if line.strip()][:1] or [""]
+        return f"it holds pickled objects, which moemerge never loads ({found[0][:200]})"
+    return f"the file is truncated or corrupt ({text[:200]})"
+
+
 def load(path: Path, fingerprint: dict) -> dict:
     """A checkpoint's state, refused when it was made with different training settings."""
-    try:
-        state = torch.load(path / STATE, map_location="cpu", weights_only=False)
-    except Exception as exc:  # a truncated or foreign file
-        raise CheckpointError(f"{path / STATE}: cannot load the checkpoint: {exc}") from None
+    try:  # never unpickle objects: a crafted state.pt could run code
+        state = torch.load(path / STATE, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            raise ValueError("not a moemerge training state")
+    except Exception as exc:  # a truncated, foreign or crafted file
+        raise CheckpointError(f"{path / STATE}: cannot load the checkpoint: "
+                              f"{_reason(exc)}") from None
     if state.get("fingerprint") != fingerprint:
         theirs = state.get("fingerprint") or {}
         diff = sorted(k for k in fingerprint if theirs.get(k) != fingerprint[k])

@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from moemerge.errors import RecipeError
+from moemerge.recipe.load import safe_yaml
 
 Part = Literal["routers", "projectors", "curvature", "all"]
 
@@ -20,7 +20,7 @@ Part = Literal["routers", "projectors", "curvature", "all"]
 class TrainConfig(BaseModel):
     """Every field of `moemerge finetune` (CLI option `--seq-len` is field `seq_len`)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
     model: str = Field(min_length=1, description="MoE model directory to train.")
     output: str = Field(min_length=1, description="Output model directory (written atomically).")
@@ -86,9 +86,10 @@ def make_config(file: Path | None, overrides: dict) -> TrainConfig:
         if not Path(file).is_file():
             raise RecipeError(f"{file}: config file not found")
         try:
-            loaded = yaml.safe_load(Path(file).read_text())
-        except yaml.YAMLError as exc:
-            raise RecipeError(f"{file}: not valid YAML: {exc}") from None
+            text = Path(file).read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RecipeError(f"{file}: cannot read it as UTF-8 text: {exc}") from None
+        loaded = safe_yaml(text, str(file))
         if not isinstance(loaded, dict):
             raise RecipeError(f"{file}: a finetune config is a mapping of fields")
         data = dict(loaded)

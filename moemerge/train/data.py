@@ -41,8 +41,13 @@ class Blocks:
 
 def _documents(path: Path, text_field: str) -> list[str]:
     if path.suffix in JSONL_SUFFIXES:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise RecipeError(f"{path}: not UTF-8 text (byte {exc.start}); JSON Lines files "
+                              "must be UTF-8") from None
         docs = []
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        for n, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
             try:

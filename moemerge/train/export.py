@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from moemerge.io.atomic import atomic_output_dir
+from moemerge.io.paths import check_tree_confined
 from moemerge.io.reader import PICKLE_INDEX, SAFETENSORS_INDEX, CheckpointReader
-from moemerge.io.writer import ShardedWriter
+from moemerge.io.writer import ShardedWriter, check_free_space
 from moemerge.train.params import to_disk_names
 
 WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth"}
@@ -47,6 +48,7 @@ def export(model: torch.nn.Module, names: list[str], source: Path, out: Path, *,
             per_file[m.file] = per_file.get(m.file, 0) + m.nbytes
         planned = [(m.name, m.dtype, m.shape) for m in metas]
         written: dict[str, torch.Tensor] = {}
+        check_free_space(out, reader.total_bytes)
         with atomic_output_dir(out, force=force) as tmp:
             # shards no larger than the source's largest: the same number of files or close
             with ShardedWriter(tmp, planned, max_shard_bytes=max(per_file.values())) as writer:
@@ -63,11 +65,13 @@ def export(model: torch.nn.Module, names: list[str], source: Path, out: Path, *,
 
 
 def _copy_side_files(source: Path, dst: Path) -> None:
-    """Everything in the model directory but the weights (and their index), as it is."""
+    """Everything in the model directory but the weights (and their index), as it is; a file
+    or directory that links outside the model directory is refused."""
     for path in sorted(source.iterdir()):
         if (path.name in SKIP or path.name == TRAINING_DIR or path.suffix in WEIGHT_SUFFIXES
                 or path.name.startswith(".")):
             continue
+        check_tree_confined(path, source)
         if path.is_dir():
             shutil.copytree(path, dst / path.name)
         else:

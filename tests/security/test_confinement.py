@@ -1,0 +1,95 @@
+"""Item 5: files a model directory names (index entries, symlinked shards and side files,
+directories finetune copies) must stay inside it; a hub snapshot's links into its cache's
+blob store are allowed explicitly."""
+
+import json
+import os
+import shutil
+
+import pytest
+from conftest import write_recipe
+from typer.testing import CliRunner
+
+from moemerge.cli import app
+from moemerge.errors import CheckpointError
+from moemerge.io.atomic import SIDE_FILES, copy_side_files
+from moemerge.io.reader import CheckpointReader
+from moemerge.train.export import _copy_side_files
+
+
+def cli(*args):
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
+    return result.exit_code, " ".join(result.output.split())
+
+
+def indexed(src, dst, shard_ref):
+    """A copy of `src` whose index maps every tensor to `shard_ref` (a path as written)."""
+    shutil.copytree(src, dst)
+    names = list(CheckpointReader(src).metas)
+    index = {"metadata": {}, "weight_map": dict.fromkeys(names, shard_ref)}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return dst
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink"])
+def test_weights_outside_the_model_directory_are_refused(model_factory, tmp_path, how):
+    base = model_factory("llama")
+    outside = shutil.copy(base / "model.safetensors", tmp_path / "elsewhere.safetensors")
+    if how == "symlink":
+        model = shutil.copytree(base, tmp_path / "m")
+        (model / "model.safetensors").unlink()
+        (model / "model.safetensors").symlink_to(outside)
+    else:
+        ref = "../elsewhere.safetensors" if how == "dotdot" else str(outside)
+        model = indexed(base, tmp_path / "m", ref)
+    recipe = write_recipe(tmp_path / "r.yaml", f"kind: merge\nmodels: [{base}, {model}]\n")
+    code, text = cli("build", recipe, tmp_path / "out")
+    assert code == 1 and "outside the model directory" in text, text
+    assert not (tmp_path / "out").exists()
+
+
+def test_symlinked_side_file_is_never_copied(model_factory, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("root:x:0:0")
+    base = shutil.copytree(model_factory("llama"), tmp_path / "base")
+    (base / "chat_template.jinja").symlink_to(secret)
+    recipe = write_recipe(tmp_path / "r.yaml", f"kind: merge\nmodels: [{base}, {base}]\n")
+    code, text = cli("build", recipe, tmp_path / "out")
+    assert code == 1 and "chat_template.jinja" in text and "outside" in text, text
+    assert not (tmp_path / "out").exists()
+
+
+def test_finetune_copy_refuses_symlinked_directories(tmp_path):
+    model = tmp_path / "model"
+    (model / "extra").mkdir(parents=True)
+    (tmp_path / "private").mkdir()
+    (tmp_path / "private" / "key").write_text("secret")
+    (model / "linked").symlink_to(tmp_path / "private")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(CheckpointError, match="linked .*outside the model directory"):
+        _copy_side_files(model, tmp_path / "out")
+    (model / "linked").unlink()
+    (model / "extra" / "inner").symlink_to(tmp_path / "private" / "key")  # deeper down too
+    with pytest.raises(CheckpointError, match="inner .*outside"):
+        _copy_side_files(model, tmp_path / "out")
+
+
+def test_hub_snapshot_links_into_the_blob_store_are_allowed(model_factory, tmp_path):
+    """The layout huggingface_hub makes: snapshots/<rev>/<file> -> ../../blobs/<hash>."""
+    base = model_factory("llama")
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    for i, file in enumerate(sorted(p for p in base.iterdir() if p.is_file())):
+        shutil.copy(file, repo / "blobs" / f"blob{i}")
+        os.symlink(f"../../blobs/blob{i}", snapshot / file.name)
+    with CheckpointReader(snapshot) as reader:
+        assert reader.read("model.embed_tokens.weight").shape[0] > 0
+    (tmp_path / "out").mkdir()
+    assert "tokenizer.json" in copy_side_files(snapshot, tmp_path / "out", SIDE_FILES)
+    os.symlink(tmp_path / "hub" / "elsewhere", snapshot / "vocab.json")  # not into blobs/
+    (tmp_path / "hub" / "elsewhere").write_text("{}")
+    with pytest.raises(CheckpointError, match="vocab.json .*outside"):
+        copy_side_files(snapshot, tmp_path / "out", SIDE_FILES)
