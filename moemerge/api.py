@@ -19,7 +19,13 @@ from moemerge.assemble.verify import FULL_LOAD_LIMIT, check_loads, check_structu
 from moemerge.errors import CheckpointError, OutputError, RecipeError
 from moemerge.eval.perplexity import load_causal_lm, load_tokenizer
 from moemerge.execute import run_jobs
-from moemerge.io.atomic import RECIPE_COPY, SIDE_FILES, atomic_output_dir, copy_side_files
+from moemerge.io.atomic import (
+    RECIPE_COPY,
+    SIDE_FILES,
+    atomic_output_dir,
+    copy_side_files,
+    sweep_output,
+)
 from moemerge.io.paths import check_output_apart, working_directory
 from moemerge.io.writer import ShardedWriter, check_free_space, parse_size
 from moemerge.merge.primitives import count_non_finite
@@ -130,6 +136,7 @@ def build(
     if out is not None and not dry_run:  # before any model is read
         check_output_apart(out, _local_inputs(recipe, recipe_path.parent),
                            contained=_contained(recipe_path, tune))
+        sweep_output(out)  # what a killed run for this output left
     try:
         max_shard = parse_size(recipe.output.max_shard_size)
     except ValueError as exc:

@@ -15,6 +15,7 @@ import yaml
 from rich.console import Console
 
 from moemerge.errors import CheckpointError, OutputError, RecipeError
+from moemerge.io.atomic import sweep_output, sweep_stale
 from moemerge.io.paths import check_output_apart, working_directory
 from moemerge.io.reader import CheckpointReader
 from moemerge.modeling import is_merged_experts, is_sequence_routed, load_pretrained
@@ -64,6 +65,9 @@ def _check_outputs(cfg: TrainConfig, ctx: distributed.Dist) -> None:
     for target in (out, root):  # --force deletes both: neither may hold an input
         check_output_apart(target, [("the input model", Path(cfg.model))],
                            contained=[working_directory(), *data])
+    if ctx.main:  # what a killed run for this output left
+        sweep_output(out)
+        sweep_stale(root, checkpoint.TMP_PREFIX)
     if out.exists() and not cfg.force:
         raise OutputError(f"{out} already exists; pass --force to replace it")
     if root.exists() and not cfg.resume and checkpoint.latest(root) is not None:

@@ -133,3 +133,18 @@ def test_output_set_aside_by_a_killed_install_is_restored(tmp_path):
         raise RuntimeError("this build fails too")
     assert (tmp_path / "out" / "weights").read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_the_next_run_sweeps_first_even_when_it_fails(tmp_path):
+    from typer.testing import CliRunner
+
+    from moemerge.cli import app
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    stale = tmp_path / f".out.moemerge-tmp-{dead}-abcd"
+    stale.mkdir()
+    recipe = write_recipe(tmp_path / "r.yaml", "kind: merge\nmodels: [./missing, ./gone]\n")
+    result = CliRunner().invoke(app, ["build", str(recipe), str(tmp_path / "out")])
+    assert result.exit_code == 1 and "does not exist" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]
