@@ -110,7 +110,8 @@ elif mode == "compute":  # the merge arithmetic alone, inputs already in memory,
             for t in (base, *tensors):
                 t.copy_(torch.randn(shape, generator=gen))
             t1 = time.perf_counter()
-            merge(method, base=base, tensors=tensors, density=0.5, generator=gen).to(
+            params = {"density": 0.5} if "ties" in method else {}
+            merge(method, base=base, tensors=tensors, generator=gen, **params).to(
                 torch.bfloat16)
             spent += (time.perf_counter() - t1) * count
             del tensors, base
@@ -205,8 +206,10 @@ def moemerge_recipe(root: Path, base: str, experts: list[str], kind: str, method
     path = root / f"moemerge-{kind}-{method}.yaml"
     listed = "".join(f"\n  - {e}" for e in experts)
     if kind == "dense":
+        params = {"average": "", "task_arithmetic": ", lambda: 1.0"}.get(
+            method, ", density: 0.5, lambda: 1.0")  # a method takes only its own parameters
         path.write_text(f"kind: merge\nbase_model: {base}\nmodels:{listed}\n"
-                        f"merge: {{method: {method}, density: 0.5, lambda: 1.0}}\n")
+                        f"merge: {{method: {method}{params}}}\n")
     else:
         path.write_text(f"kind: moe\nassembly: token_routed\nbase_model: {base}\n"
                         f"experts:{listed}\nexperts_per_token: 2\nmerge: {{method: {method}}}\n")

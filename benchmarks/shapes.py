@@ -10,7 +10,8 @@ qwen3-1.7b, mistral-7b-v0.3) writes a base and `experts` fine-tune stand-ins und
 - weights in bf16, every tensor at its real shape, named as transformers names them (tensor
   list from the model class on the meta device; `lm_head.weight` absent when tied, as on the
   hub), written with moemerge's streaming sharded writer in shards of SHARD_BYTES[name]
-  (hub-like: the 1B/1.5B checkpoints are one file, Qwen3-1.7B two, the 8-layer Mistral two);
+  (hub-like: the 1B/1.5B checkpoints are one file, Qwen3-1.7B two; the 8-layer Mistral, 4 GB,
+  three of at most 2 GB, so that it is sharded as the full 14.5 GB one is);
 - a real-size tokenizer: a byte-level BPE trained with `tokenizers` on this Python's stdlib
   sources (TOKENIZER_TEXT_BYTES of it) to the first special id of the config (128000 for Llama
   3, 151643 for Qwen, the whole 32768 for Mistral), then padded with named special tokens
