@@ -26,7 +26,10 @@ from safetensors.torch import load_file, save_file
 
 from moemerge.toy import make_random_model
 
-SLACK = 48 * 2**20  # allocator arenas, thread stacks, the small tensors in flight
+# allocator arenas (one per reading / merging / writing thread), thread stacks, the small tensors
+# in flight, the NaN/Inf check of inputs and outputs: 48 MiB held until that check ran on every
+# tensor; with it, TIES at lookahead 1 measured up to 8 MiB over (485 vs 477 MiB), not every run
+SLACK = 64 * 2**20
 # bytes per element of the largest tensor that the merge itself holds, W = a + b · (n − 1), n − 1
 # the task vectors (merge/methods.py: average and task arithmetic accumulate in place, a float32
 # sum and one float32 upcast; TIES and DARE-TIES stack the float32 task vectors and make their
