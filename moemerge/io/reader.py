@@ -172,7 +172,7 @@ class CheckpointReader:
     def _weight_files(self) -> list[Path]:
         """The weight files, each inside the directory (links resolved; a hub snapshot's
         blob store allowed) and each pickle refused unless allowed, however it is listed."""
-        d = self.directory
+        d = self.directory.absolute()  # the files below are joined to it once, not twice
         # safetensors first: hub repos often carry both formats, and the .bin index is a .json
         if (d / SAFETENSORS_INDEX).is_file():
             files = self._indexed_files(d / SAFETENSORS_INDEX)

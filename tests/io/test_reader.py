@@ -165,3 +165,14 @@ def test_pickles_refused_unless_allowed(tmp_path, indexed):
         assert reader.meta("layer.a.weight").dtype == torch.bfloat16
         for name, tensor in TENSORS.items():
             assert torch.equal(reader.read(name), tensor)
+
+
+def test_a_relative_model_directory_reads(model_factory, tmp_path, monkeypatch):
+    """`moemerge demo` builds into a relative directory; its weight files must not be joined to
+    the directory twice."""
+    import shutil
+
+    shutil.copytree(model_factory("llama"), tmp_path / "m")
+    monkeypatch.chdir(tmp_path)
+    with CheckpointReader("m") as reader:
+        assert reader.read("model.embed_tokens.weight").shape[0] == 300
