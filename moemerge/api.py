@@ -18,7 +18,7 @@ from moemerge.assemble.remote_code import copy_modeling_code
 from moemerge.assemble.verify import FULL_LOAD_LIMIT, check_loads, check_structure
 from moemerge.errors import CheckpointError, OutputError, RecipeError
 from moemerge.eval.perplexity import load_causal_lm, load_tokenizer
-from moemerge.execute import run_jobs
+from moemerge.execute import check_device, run_jobs
 from moemerge.io.atomic import (
     RECIPE_COPY,
     SIDE_FILES,
@@ -31,6 +31,7 @@ from moemerge.io.writer import ShardedWriter, check_free_space, parse_size
 from moemerge.merge.primitives import count_non_finite
 from moemerge.plan.build import plan_merge, plan_token_routed
 from moemerge.plan.jobs import Plan, Source
+from moemerge.plan.memory import Estimate, estimate
 from moemerge.plan.merged import plan_merged_experts
 from moemerge.plan.params import override_layer_warnings
 from moemerge.plan.sequence import plan_bridged, plan_seq_routed
@@ -62,6 +63,7 @@ class BuildResult:
     output: Path | None  # None for a dry run
     verified: str  # "full", "structure" or "none"
     tuning: TuneResult | None = None  # with tune=...: every candidate and the chosen values
+    estimate: Estimate | None = None  # peak memory and output size, known before any data
 
 
 def _labelled_refs(recipe: AnyRecipe) -> list[tuple[str, object]]:
@@ -117,6 +119,8 @@ def build(
     verify: Verify = "auto",
     progress: bool = True,
     lookahead: int = 3,
+    workers: int = 1,
+    device: str = "cpu",
     tune: TuneOptions | None = None,
     on_candidate: Callable[[Candidate], None] | None = None,
     strict: bool = False,
@@ -128,7 +132,14 @@ def build(
 
     NaN / Inf in an input tensor is a warning (`warn`, default `warnings.warn`) naming the
     tensor and the model, an error with `strict`; a non-finite output tensor is refused unless
-    `allow_non_finite`."""
+    `allow_non_finite`. `workers` threads merge at once (the bytes do not depend on it);
+    `device` runs the merge arithmetic (e.g. "cuda") while reading and writing stay on the
+    host."""
+    if workers < 1:
+        raise RecipeError(f"--workers: must be at least 1, got {workers}")
+    if lookahead < 1:
+        raise RecipeError(f"--lookahead: must be at least 1, got {lookahead}")
+    device = check_device(device)
     recipe_path = Path(recipe_path)
     out = Path(out) if out is not None else None
     warn = warn or _warn
@@ -162,7 +173,9 @@ def build(
         for message in _override_warnings(recipe, models):
             warn(message)
         if dry_run or out is None:
-            return BuildResult(plan, None, "none")
+            sizes = estimate(plan, lambda s: models[s.model].reader.meta(s.tensor).nbytes,
+                             max(lookahead, workers))
+            return BuildResult(plan, None, "none", estimate=sizes)
         check_output_apart(out, [(f"input model {m.label}", m.path) for m in models])
         check_free_space(out, plan.total_bytes * (2 if tune is not None else 1))
         seen_non_finite: set[Source] = set()
@@ -181,7 +194,8 @@ def build(
         def write(dest: Path, recipe: AnyRecipe, plan: Plan, recipe_text: str) -> None:
             planned = [(j.output, j.dtype, tuple(j.shape)) for j in plan.jobs]
             with ShardedWriter(dest, planned, max_shard_bytes=max_shard) as writer:
-                jobs = run_jobs(plan, load, make_router, recipe.seed, lookahead=lookahead)
+                jobs = run_jobs(plan, load, make_router, recipe.seed, lookahead=lookahead,
+                                workers=workers, device=device)
                 for job, tensor in _with_progress(jobs, plan, progress):
                     if not allow_non_finite and (bad := count_non_finite(tensor)):
                         raise OutputError(

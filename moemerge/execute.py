@@ -1,18 +1,20 @@
 """The one loop that moves tensor data: read sources, merge, cast, write.
 
-A three-stage pipeline: one thread reads the sources of upcoming jobs, one merges, the caller's
-thread writes. Torch kernels and file IO release the GIL, so the stages overlap; at most
-`lookahead` jobs are in flight, which bounds memory to a few tensors per input model.
+A three-stage pipeline: one thread reads the sources of upcoming jobs, `workers` threads merge,
+the caller's thread writes. Torch kernels and file IO release the GIL, so the stages overlap;
+at most `lookahead` jobs are in flight, which bounds memory to a few tensors per input model.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from moemerge.errors import RecipeError
 from moemerge.merge.dispatch import merge
 from moemerge.merge.least_squares import padded_average_fit
 from moemerge.merge.primitives import generator_for, zero_pad
@@ -22,8 +24,26 @@ Load = Callable[[Source], torch.Tensor]
 MakeRouter = Callable[[Job, Load], torch.Tensor]
 
 
-def compute(job: Job, load: Load, make_router: MakeRouter | None, seed: int) -> torch.Tensor:
-    """The output tensor of one job, in the job's dtype."""
+def check_device(name: str) -> torch.device:
+    """The device a build merges on: "cpu", "cuda[:N]" when one is there, or "meta" (shapes
+    and dtypes only, for tests of the device plumbing)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise RecipeError(f"--device: not a device name: {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RecipeError("--device cuda: torch sees no CUDA device here (torch "
+                          f"{torch.__version__}); use --device cpu")
+    if device.type not in ("cpu", "cuda", "meta"):
+        raise RecipeError(f"--device: cpu or cuda, got {name!r}")
+    return device
+
+
+def compute(job: Job, load: Load, make_router: MakeRouter | None, seed: int,
+            device: torch.device | str = "cpu") -> torch.Tensor:
+    """The output tensor of one job, in the job's dtype, on the CPU. A merge's arithmetic runs
+    on `device` (its inputs are moved there and the result back); reading, routers, random
+    draws and writing stay on the host."""
     if job.kind == "copy":
         out = load(job.sources[0])
     elif job.kind == "zeros":
@@ -40,16 +60,20 @@ def compute(job: Job, load: Load, make_router: MakeRouter | None, seed: int) -> 
     else:
         params = job.merge
         assert params is not None
+        def on_device(source: Source) -> torch.Tensor:
+            return load(source).to(device, non_blocking=True)
+
         out = merge(
             params.method,
-            base=load(job.base) if job.base is not None else None,
-            tensors=[zero_pad(load(s), job.shape) for s in job.sources],
+            base=on_device(job.base) if job.base is not None else None,
+            tensors=[zero_pad(on_device(s), job.shape) for s in job.sources],
             weights=list(job.weights) or None,
             # one generator per output tensor: same bytes whatever the order or thread count
             generator=generator_for(seed, job.output),
+            dtype=job.dtype,  # large tensors are merged in row blocks straight into it
             **params.params,
         )
-    return out.to(job.dtype).contiguous()
+    return out.to(device="cpu", dtype=job.dtype).contiguous()
 
 
 def projector_fit(job: Job, load: Load) -> torch.Tensor:
@@ -63,10 +87,26 @@ def projector_fit(job: Job, load: Load) -> torch.Tensor:
     return solution.T if job.role == "proj_in" else solution
 
 
+def _serialised(function: MakeRouter) -> MakeRouter:
+    lock = threading.Lock()
+
+    def call(job: Job, load: Load) -> torch.Tensor:
+        with lock:
+            return function(job, load)
+
+    return call
+
+
 def run_jobs(
-    plan: Plan, load: Load, make_router: MakeRouter | None, seed: int, *, lookahead: int = 3
+    plan: Plan, load: Load, make_router: MakeRouter | None, seed: int, *, lookahead: int = 3,
+    workers: int = 1, device: torch.device | str = "cpu",
 ) -> Iterator[tuple[Job, torch.Tensor]]:
-    """Yield (job, tensor) in plan order, computing up to `lookahead` jobs ahead."""
+    """Yield (job, tensor) in plan order, computing up to `lookahead` jobs ahead on `workers`
+    merge threads (each output tensor's bytes depend only on its own job: random methods draw
+    from a generator of (seed, tensor name), so any worker count gives the same output)."""
+    lookahead = max(lookahead, workers)
+    if make_router is not None and workers > 1:  # router factories cache what they read
+        make_router = _serialised(make_router)
 
     def prefetch(job: Job) -> dict[Source, torch.Tensor]:
         sources = [*job.sources, *([job.base] if job.base is not None else [])]
@@ -74,7 +114,7 @@ def run_jobs(
 
     with (
         ThreadPoolExecutor(1, "moemerge-read") as reads,
-        ThreadPoolExecutor(1, "moemerge-merge") as merges,
+        ThreadPoolExecutor(workers, "moemerge-merge") as merges,
     ):
         pending: deque[tuple[Job, Future]] = deque()
         jobs = iter(plan.jobs)
@@ -82,7 +122,7 @@ def run_jobs(
         def submit(job: Job) -> None:
             loaded = reads.submit(prefetch, job)
             pending.append((job, merges.submit(
-                lambda: compute(job, loaded.result().__getitem__, make_router, seed)
+                lambda: compute(job, loaded.result().__getitem__, make_router, seed, device)
             )))
 
         for job in jobs:

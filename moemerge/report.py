@@ -7,7 +7,7 @@ from rich.table import Table
 from moemerge.plan.jobs import Plan
 
 
-def _human(nbytes: int) -> str:
+def human_bytes(nbytes: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if nbytes < 1024 or unit == "GiB":
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
@@ -32,7 +32,7 @@ def plan_lines(plan: Plan) -> list[str]:
 def plan_table(plan: Plan) -> Table:
     """Every output tensor in write order with its shape, dtype and how it is made."""
     table = Table(
-        title=f"plan: {len(plan.jobs)} tensors, {_human(plan.total_bytes)}, "
+        title=f"plan: {len(plan.jobs)} tensors, {human_bytes(plan.total_bytes)}, "
         f"inputs: {', '.join(plan.labels)}",
         title_justify="left",
     )

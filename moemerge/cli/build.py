@@ -64,6 +64,18 @@ def build(
         bool, typer.Option("--strict", help="NaN/Inf in an input tensor is an error, not a "
                            "warning.")
     ] = False,
+    workers: Annotated[
+        int, typer.Option(help="Tensors merged at once, each on its own thread (the output's "
+                          "bytes do not depend on it).")
+    ] = 1,
+    lookahead: Annotated[
+        int, typer.Option(help="Tensors read ahead of the one being written: more overlaps "
+                          "reading with merging, and holds more in memory (see --dry-run).")
+    ] = 3,
+    device: Annotated[
+        str, typer.Option(help="Where the merge arithmetic runs: cpu, or cuda (reading and "
+                          "writing stay on the host).")
+    ] = "cpu",
     allow_non_finite: Annotated[
         bool, typer.Option("--allow-non-finite", help="Write output tensors holding NaN/Inf "
                            "(refused by default).")
@@ -89,14 +101,15 @@ def build(
         recipe, output, force=force, dry_run=dry_run, allow_pickle=allow_pickle,
         verify=verify, progress=not quiet and sys.stderr.isatty(),  # type: ignore[arg-type]
         tune=tune, on_candidate=None if quiet else _print_candidate, strict=strict,
-        allow_non_finite=allow_non_finite, warn=_print_warning,
+        allow_non_finite=allow_non_finite, warn=_print_warning, workers=workers,
+        lookahead=lookahead, device=device,
     )
     if result.tuning is not None:
         from moemerge.tune import tuning_table
 
         out.print(tuning_table(result.tuning))
     if dry_run:
-        from moemerge.report import plan_lines, plan_table
+        from moemerge.report import human_bytes, plan_lines, plan_table
 
         if out.is_terminal:
             out.print(plan_table(result.plan))
@@ -104,6 +117,10 @@ def build(
             print("\n".join(plan_lines(result.plan)))
         for note in result.plan.notes:
             out.print(f"[yellow]note:[/] {note}")
+        if result.estimate is not None:
+            err.print(f"output: {human_bytes(result.estimate.output_bytes)}; estimated peak "
+                      f"memory: {human_bytes(result.estimate.peak_bytes)} above start-up "
+                      f"(lookahead {max(lookahead, workers)})", highlight=False)
         return
     size = result.plan.total_bytes / 2**20
     out.print(

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from moemerge.merge import blocks as row_blocks_module
+from moemerge.merge.blocks import merge_in_blocks, row_blocks
 from moemerge.merge.methods import Weights, weights_of
 from moemerge.merge.registry import MethodSpec, all_params, get
 
@@ -33,9 +35,12 @@ def call_arguments(spec: MethodSpec, params: dict[str, object]) -> dict[str, obj
 
 
 def merge(method: str, *, base: Tensor | None, tensors: Sequence[Tensor], weights: Weights = None,
-          generator: torch.Generator | None = None, **params) -> Tensor:
+          generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32,
+          block: int | None = None, **params) -> Tensor:
     """Validate, apply the registry's defaults and dispatch by name (`base` is a copy of the
-    base and is done by the planner, not here).
+    base and is done by the planner, not here). The result is in `dtype`; a tensor of more than
+    `block` entries (default blocks.BLOCK_ELEMENTS) is merged in row blocks where the method
+    allows it (merge/blocks.py).
 
     Integer and bool tensors (position ids, masks: buffers, not weights) are not merged: the
     first model's is returned unchanged. Methods whose base is `ignored` never use `base`."""
@@ -58,13 +63,19 @@ def merge(method: str, *, base: Tensor | None, tensors: Sequence[Tensor], weight
     kwargs = call_arguments(spec, params)
     if not tensors[0].is_floating_point():
         return tensors[0]
+    blocks = row_blocks(tensors[0].shape, block or row_blocks_module.BLOCK_ELEMENTS)
+    statistics = spec.block_statistics
+    extra = None if len(blocks) == 1 or statistics is None else statistics(
+        base if uses_base else None, tensors, blocks, **kwargs)
     if spec.weights:
         kwargs["weights"] = weights
     if spec.random:
         kwargs["generator"] = generator
     if spec.base == "optional":
         kwargs["base"] = base
-        return spec.function(tensors, **kwargs)
-    if spec.base == "required":
-        return spec.function(base, tensors, **kwargs)
-    return spec.function(tensors, **kwargs)
+    pass_base = spec.base == "required"
+    if extra is None:  # one piece
+        out = spec.function(*([base] if pass_base else []), tensors, **kwargs)
+        return out.to(dtype)
+    return merge_in_blocks(spec.function, base, tensors, blocks, dtype, pass_base,
+                           **kwargs, **extra)

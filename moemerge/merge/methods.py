@@ -79,10 +79,11 @@ def consensus_merge(base: Tensor, taus: Tensor, w: Tensor, lam: float, *, normal
 def ties(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
          density: float = DEFAULT_DENSITY, lam: float = DEFAULT_LAMBDA,
          trim_rounding: str = "ceil", normalize: bool = True, consensus: str = "sum",
-         zero_vote: str = "none") -> Tensor:
-    """θ_base + λ · disjoint_mean(trim(τ), elect_sign(w · trim(τ)), w)."""
+         zero_vote: str = "none", thresholds: Tensor | None = None) -> Tensor:
+    """θ_base + λ · disjoint_mean(trim(τ), elect_sign(w · trim(τ)), w). `thresholds`: the
+    trim's cut-offs found over the whole tensor, when this is one row block of it."""
     w = weights_of(weights, len(tensors), normalize=False)
-    trimmed = trim_to_density(task_vectors(base, tensors), density, trim_rounding)
+    trimmed = trim_to_density(task_vectors(base, tensors), density, trim_rounding, thresholds)
     return consensus_merge(base, trimmed, w, lam, normalize=normalize, consensus=consensus,
                            zero_vote=zero_vote)
 

@@ -38,21 +38,25 @@ def keep_count(numel: int, density: float, rounding: str = "ceil") -> int:
     return max(1, min(numel, math.ceil(density * numel - 1e-9)))
 
 
-def trim_to_density(taus: Tensor, density: float, rounding: str = "ceil") -> Tensor:
+def trim_to_density(taus: Tensor, density: float, rounding: str = "ceil",
+                    thresholds: Tensor | None = None) -> Tensor:
     """TIES "trim": per task vector keep the top `density` fraction of entries by magnitude.
 
     The threshold is the k-th largest |τ| found with `kthvalue` (linear time, no sort); entries
-    tied with it are kept, so slightly more than k may survive. density 1 keeps everything."""
+    tied with it are kept, so slightly more than k may survive. density 1 keeps everything.
+    `thresholds` [N]: the cut-offs, found beforehand over the whole tensor (a row block's trim,
+    merge/blocks.py)."""
     check_density(density)
     taus = taus.float()
     if density == 1.0:
         return taus
     flat = taus.reshape(taus.shape[0], -1).abs()  # [N, numel]
-    numel = flat.shape[1]
-    k = keep_count(numel, density, rounding)
-    # the (numel − k + 1)-th smallest is the k-th largest
-    threshold = flat.kthvalue(numel - k + 1, dim=1, keepdim=True).values  # [N, 1]
-    return (taus.reshape(flat.shape) * (flat >= threshold)).reshape(taus.shape)
+    if thresholds is None:
+        numel = flat.shape[1]
+        k = keep_count(numel, density, rounding)
+        # the (numel − k + 1)-th smallest is the k-th largest
+        thresholds = flat.kthvalue(numel - k + 1, dim=1).values  # [N]
+    return (taus.reshape(flat.shape) * (flat >= thresholds[:, None])).reshape(taus.shape)
 
 
 def _per_model(weights: Tensor, taus: Tensor) -> Tensor:

@@ -80,6 +80,9 @@ class MethodSpec:
     random: bool = False  # takes the per-tensor generator
     moe: str | None = None  # why it cannot merge the non-FFN tensors of an MoE, if it cannot
     constraint: Callable[[dict], str | None] | None = None  # across parameters, on scalars
+    # "module:function" returning the whole-tensor statistics that let the method run in row
+    # blocks (merge/blocks.py), or None for parameters that need the whole tensor; unset: never
+    blocks: str | None = None
 
     def problem(self, values: dict[str, object]) -> str | None:
         """Why these parameter values (defaults filled in) do not go together, or None."""
@@ -101,8 +104,16 @@ class MethodSpec:
 
     @property
     def function(self) -> Callable:
-        module, _, attr = (self.target or "").partition(":")
-        return getattr(importlib.import_module(module), attr)
+        return _load(self.target)
+
+    @property
+    def block_statistics(self) -> Callable | None:
+        return None if self.blocks is None else _load(self.blocks)
+
+
+def _load(target: str | None) -> Callable:
+    module, _, attr = (target or "").partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 LAMBDA = Param("lambda", float, 1.0, "scale of the merged task vector", tunable=True)
@@ -142,38 +153,40 @@ def _della_fits(v: dict) -> str | None:
 _M = "moemerge.merge."
 
 
-def _spec(name, summary, paper, base, params=(), target=None, **kw) -> MethodSpec:
+def _spec(name, summary, paper, base, params=(), target=None, blocks=None, **kw) -> MethodSpec:
     return MethodSpec(name, summary, paper, base, tuple(params),
-                      target if target is None else _M + target, **kw)
+                      target if target is None else _M + target,
+                      blocks=blocks if blocks is None else _M + "blocks:" + blocks, **kw)
 
 
 METHOD_SPECS = (
     _spec("base", "the base model's tensor, copied", "–", "required"),
     _spec("average", "weighted mean of the models", "Wortsman et al. 2022, model soups",
-          "ignored", target="methods:average"),
+          "ignored", target="methods:average", blocks="elementwise"),
     _spec("task_arithmetic", "base + λ Σ w τ", "Ilharco et al. 2023", "required",
-          (LAMBDA, NORMALIZE), "methods:task_arithmetic"),
+          (LAMBDA, NORMALIZE), "methods:task_arithmetic", "elementwise"),
     _spec("ties", "trim, elect sign, disjoint mean", "Yadav et al. 2023", "required",
-          (DENSITY, LAMBDA, ROUNDING, *CONSENSUS_PARAMS), "methods:ties"),
+          (DENSITY, LAMBDA, ROUNDING, *CONSENSUS_PARAMS), "methods:ties", "trim_thresholds"),
     _spec("dare_linear", "random drop and rescale, then task arithmetic", "Yu et al. 2024",
-          "required", (DENSITY, LAMBDA, NORMALIZE, RESCALE), "methods:dare_linear", random=True),
+          "required", (DENSITY, LAMBDA, NORMALIZE, RESCALE), "methods:dare_linear", "unless_l1",
+          random=True),
     _spec("dare_ties", "random drop and rescale, then TIES's election and disjoint mean",
           "Yu et al. 2024", "required", (DENSITY, LAMBDA, RESCALE, *CONSENSUS_PARAMS),
-          "methods:dare_ties", random=True),
+          "methods:dare_ties", "unless_l1", random=True),
     _spec("breadcrumbs", "drop the largest gamma and the smallest entries, then task arithmetic",
           "Davari & Belilovsky 2024", "required",
           (replace(DENSITY, default=0.9), GAMMA, LAMBDA, NORMALIZE, ROUNDING),
-          "sparse:breadcrumbs"),
+          "sparse:breadcrumbs", "outlier_thresholds"),
     _spec("breadcrumbs_ties", "breadcrumbs' drop, then TIES's election and disjoint mean",
           "Davari & Belilovsky 2024", "required",
           (replace(DENSITY, default=0.9), GAMMA, LAMBDA, ROUNDING, *CONSENSUS_PARAMS),
-          "sparse:breadcrumbs_ties"),
+          "sparse:breadcrumbs_ties", "outlier_thresholds"),
     _spec("della", "magnitude-ranked random drop (MagPrune), then TIES's election and mean",
           "Deep et al. 2024", "required", (DENSITY, EPSILON, LAMBDA, RESCALE, *CONSENSUS_PARAMS),
-          "sparse:della", random=True, constraint=_della_fits),
+          "sparse:della", "unless_l1", random=True, constraint=_della_fits),
     _spec("della_linear", "magnitude-ranked random drop (MagPrune), then task arithmetic",
           "Deep et al. 2024", "required", (DENSITY, EPSILON, LAMBDA, NORMALIZE, RESCALE),
-          "sparse:della_linear", random=True, constraint=_della_fits),
+          "sparse:della_linear", "unless_l1", random=True, constraint=_della_fits),
     _spec("sce", "select by variance, weight by mean square, erase minority signs",
           "Wan et al. 2024, FuseChat", "required", (TOPK, LAMBDA, ZERO_VOTE), "sparse:sce",
           weights=False),
@@ -187,9 +200,9 @@ METHOD_SPECS = (
           "Jang et al. 2024", "required", (FILTER_WISE,), "sphere:model_stock", min_models=2,
           weights=False),
     _spec("passthrough", "one model's tensor as it is (layer stacking with `slices`)",
-          "Goddard et al. 2024, mergekit", "ignored", (), "sphere:passthrough", max_models=1,
-          weights=False, moe="passthrough copies one model's tensors; in an MoE use method: "
-          "base (the base's) or average"),
+          "Goddard et al. 2024, mergekit", "ignored", (), "sphere:passthrough", "elementwise",
+          max_models=1, weights=False, moe="passthrough copies one model's tensors; in an MoE "
+          "use method: base (the base's) or average"),
 )
 REGISTRY: dict[str, MethodSpec] = {m.name: m for m in METHOD_SPECS}
 METHOD_NAMES = tuple(REGISTRY)

@@ -24,20 +24,24 @@ from moemerge.merge.primitives import (
 )
 
 
-def trim_outliers(taus: Tensor, density: float, gamma: float, rounding: str = "ceil") -> Tensor:
+def trim_outliers(taus: Tensor, density: float, gamma: float, rounding: str = "ceil",
+                  bands: Tensor | None = None) -> Tensor:
     """Breadcrumbs' mask, per task vector: drop the `gamma` fraction of largest magnitudes, then
     the smallest, keeping k = keep_count(n, density) entries (fewer outliers are dropped when
-    k + int(γ·n) > n). Two `kthvalue` cut-offs, no sort; entries tied at a cut-off are kept."""
+    k + int(γ·n) > n). Two `kthvalue` cut-offs, no sort; entries tied at a cut-off are kept.
+    `bands` [N, 2] (low, high): the cut-offs found over the whole tensor, for a row block."""
     check_density(density)
     taus = taus.float()
     flat = taus.reshape(taus.shape[0], -1).abs()  # [N, n]
     n = flat.shape[1]
     if density == 1.0 or n == 0:
         return taus
-    keep = keep_count(n, density, rounding)
-    bottom = max(0, n - keep - int(gamma * n))  # entries dropped from below
-    low = flat.kthvalue(bottom + 1, dim=1, keepdim=True).values  # [N, 1]
-    high = flat.kthvalue(bottom + keep, dim=1, keepdim=True).values
+    if bands is None:
+        keep = keep_count(n, density, rounding)
+        bottom = max(0, n - keep - int(gamma * n))  # entries dropped from below
+        bands = torch.stack([flat.kthvalue(bottom + 1, dim=1).values,
+                             flat.kthvalue(bottom + keep, dim=1).values], dim=1)  # [N, 2]
+    low, high = bands[:, :1], bands[:, 1:]
     return (taus.reshape(flat.shape) * ((flat >= low) & (flat <= high))).reshape(taus.shape)
 
 
@@ -47,18 +51,20 @@ def _linear(base: Tensor, taus: Tensor, w: Tensor, lam: float) -> Tensor:
 
 def breadcrumbs(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
                 density: float = 0.9, gamma: float = 0.01, lam: float = 1.0,
-                normalize: bool = True, trim_rounding: str = "ceil") -> Tensor:
+                normalize: bool = True, trim_rounding: str = "ceil",
+                bands: Tensor | None = None) -> Tensor:
     """θ_base + λ Σ w̃_i Breadcrumbs_{d,γ}(τ_i)."""
-    taus = trim_outliers(task_vectors(base, tensors), density, gamma, trim_rounding)
+    taus = trim_outliers(task_vectors(base, tensors), density, gamma, trim_rounding, bands)
     return _linear(base, taus, weights_of(weights, len(tensors), normalize), lam)
 
 
 def breadcrumbs_ties(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
                      density: float = 0.9, gamma: float = 0.01, lam: float = 1.0,
                      trim_rounding: str = "ceil", normalize: bool = True,
-                     consensus: str = "sum", zero_vote: str = "none") -> Tensor:
+                     consensus: str = "sum", zero_vote: str = "none",
+                     bands: Tensor | None = None) -> Tensor:
     """θ_base + λ · DisjointMean(Breadcrumbs(τ), Elect(w · Breadcrumbs(τ)), w)."""
-    taus = trim_outliers(task_vectors(base, tensors), density, gamma, trim_rounding)
+    taus = trim_outliers(task_vectors(base, tensors), density, gamma, trim_rounding, bands)
     return consensus_merge(base, taus, weights_of(weights, len(tensors), False), lam,
                            normalize=normalize, consensus=consensus, zero_vote=zero_vote)
 

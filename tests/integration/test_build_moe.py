@@ -144,3 +144,51 @@ def test_bfloat16_output(model_factory, tmp_path):
     with safe_open(tmp_path / "moe" / "model.safetensors", "pt") as f:
         assert {f.get_slice(n).get_dtype() for n in f.keys()} == {"BF16"}
     assert json.loads((tmp_path / "moe" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("method", ["dare_ties", "ties"])
+def test_worker_count_and_row_blocks_do_not_change_the_bytes(method, model_factory, tmp_path,
+                                                             monkeypatch):
+    """Tensors merged on 1 or 3 threads, read 1 or 5 ahead, give the same file; blocks of 512
+    entries make every tensor of the tiny model but the norms several row blocks."""
+    import moemerge.merge.blocks as blocks
+
+    monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", 512)
+    base = model_factory("llama")
+    experts = [perturbed_copy(base, tmp_path / f"e{i}", scale=0.05, seed=i) for i in range(3)]
+    recipe = moe_recipe(tmp_path, base, experts, merge=f"{{method: {method}, density: 0.5}}",
+                        seed=3)
+    build(recipe, tmp_path / "a", progress=False, workers=1, lookahead=1)
+    build(recipe, tmp_path / "b", progress=False, workers=3, lookahead=5)
+    a = (tmp_path / "a" / "model.safetensors").read_bytes()
+    assert a == (tmp_path / "b" / "model.safetensors").read_bytes()
+    if method == "ties":  # deterministic: the blocked build is the whole-tensor build
+        monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", 10**9)
+        build(recipe, tmp_path / "c", progress=False)
+        assert a == (tmp_path / "c" / "model.safetensors").read_bytes()
+
+
+def test_merge_arithmetic_runs_on_the_chosen_device(monkeypatch):
+    """--device moves a merge's inputs to the device and its result back to the host, cast to
+    the job's dtype; other jobs never leave the host (checked on the meta device: no GPU)."""
+    import moemerge.execute as execute
+    from moemerge.plan.jobs import Job, Source
+    from moemerge.plan.params import ResolvedMerge
+
+    seen = []
+
+    def spy(method, *, base, tensors, **kwargs):
+        seen.append({t.device.type for t in [base, *tensors]})
+        return torch.ones(2, 3)
+
+    monkeypatch.setattr(execute, "merge", spy)
+    resolved = ResolvedMerge("ties", (("density", 0.5),))
+    job = Job("w", (2, 3), torch.bfloat16, "merge", "attn", sources=(Source(1, "w"),
+              Source(2, "w")), base=Source(0, "w"), merge=resolved)
+    load = lambda s: torch.full((2, 3), float(s.model))  # noqa: E731
+    out = execute.compute(job, load, None, 0, device="meta")
+    assert seen == [{"meta"}] and out.device.type == "cpu" and out.dtype == torch.bfloat16
+    copy = Job("c", (2, 3), torch.float32, "copy", "attn", sources=(Source(2, "w"),))
+    assert torch.equal(execute.compute(copy, load, None, 0, device="meta"), load(Source(2, "")))
+    with pytest.raises(Exception, match="no CUDA device|not a device|cpu or cuda"):
+        execute.check_device("cuda" if not torch.cuda.is_available() else "vulkan")

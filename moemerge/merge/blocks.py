@@ -1,0 +1,127 @@
+"""Merging a large tensor in row blocks, and the whole-tensor statistics that makes exact.
+
+A merge of a [V, d] tensor in one piece holds several float32 copies of it per model (the
+upcast inputs, the task vectors, their magnitudes, masks): at a 152k × 4096 embedding that is
+gigabytes, and the arithmetic streams each copy through memory. In row blocks of about
+`BLOCK_ELEMENTS` entries the working set is a few blocks that stay in cache, and the output is
+written in its own dtype as it is made.
+
+A method may run in blocks when every output entry depends only on the inputs at the same
+place, given some statistics of the whole tensor computed first (TIES's and breadcrumbs'
+magnitude thresholds, found here by an exact two-pass histogram select that streams over the
+same blocks). The registry names, per method, the function that returns those statistics (as
+extra keyword arguments for every block), or None when the parameters need the whole tensor
+(e.g. mergekit's L1 rescale, a norm of the whole tensor after the drop).
+
+Random methods draw their masks block after block, model after model, from the one
+per-tensor generator; the blocks depend only on the tensor's shape, never on threads or
+lookahead, so the bytes are the same for any worker count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from moemerge.merge.primitives import check_density, keep_count
+
+BLOCK_ELEMENTS = 1 << 18  # 1 MiB per float32 block: a few of them per model stay in cache
+_BUCKETS = 1 << 16  # the top 16 bits of a non-negative float32: exponent and 7 mantissa bits
+
+
+def row_blocks(shape: Sequence[int], block: int = BLOCK_ELEMENTS) -> list[slice]:
+    """Slices of whole rows (the first axis) of about `block` entries each; one slice covering
+    everything for tensors of at most `block` entries or fewer than 2 dimensions."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    if len(shape) < 2 or numel <= block:
+        return [slice(None)]
+    rows = max(1, block // max(1, numel // shape[0]))
+    return [slice(r, min(r + rows, shape[0])) for r in range(0, shape[0], rows)]
+
+
+Parts = Callable[[], Iterator[Tensor]]
+
+
+def kth_largest(parts: Parts, k: int) -> Tensor:
+    """The k-th largest value (1-based) of the non-negative float32 entries that `parts()`
+    yields, exactly (the value `kthvalue` finds on all of them at once), in two passes:
+    a histogram of the top 16 bits of each value's IEEE bits (monotone in the value), then
+    `kthvalue` within the one bucket that holds the k-th largest. Memory: one part, the
+    65536 counts and that bucket's entries."""
+    counts = torch.zeros(_BUCKETS, dtype=torch.int64)
+    total = 0
+    for part in parts():
+        keys = (part.reshape(-1).view(torch.int32) >> 15).long()
+        counts += torch.bincount(keys, minlength=_BUCKETS)
+        total += part.numel()
+    if not 1 <= k <= total:
+        raise ValueError(f"k = {k} is outside 1..{total}")
+    above = counts.flip(0).cumsum(0).flip(0)  # above[b] = entries in buckets b and higher
+    bucket = int((above >= k).nonzero().max())  # the highest bucket reaching k from the top
+    rank = k - (int(above[bucket + 1]) if bucket + 1 < _BUCKETS else 0)  # rank inside it
+    inside = torch.cat([p.reshape(-1)[(p.reshape(-1).view(torch.int32) >> 15) == bucket]
+                        for p in parts()])
+    return inside.kthvalue(inside.numel() - rank + 1).values
+
+
+def _magnitudes(base: Tensor, tensor: Tensor, blocks: list[slice]) -> Parts:
+    """|τ| = |θ − θ_base| block by block, in float32."""
+    return lambda: ((tensor[b].float() - base[b].float()).abs_() for b in blocks)
+
+
+def elementwise(base: Tensor | None, tensors: Sequence[Tensor], blocks: list[slice],
+                **params) -> dict:
+    """Methods with no whole-tensor statistic: every block merges alone."""
+    return {}
+
+
+def unless_l1(base: Tensor | None, tensors: Sequence[Tensor], blocks: list[slice],
+              **params) -> dict | None:
+    """Random drops: elementwise, unless the survivors are L1-rescaled over the whole tensor."""
+    return None if params.get("rescale") == "l1" else {}
+
+
+def trim_thresholds(base: Tensor, tensors: Sequence[Tensor], blocks: list[slice], *,
+                    density: float, trim_rounding: str = "ceil", **params) -> dict:
+    """TIES's per-model cut-offs: the k-th largest |τ_i| over the whole tensor, k =
+    keep_count(n, density); [N] float32, or nothing to pass at density 1."""
+    check_density(density)
+    n = base.numel()
+    if density == 1.0 or n == 0:
+        return {}
+    k = keep_count(n, density, trim_rounding)
+    return {"thresholds": torch.stack([kth_largest(_magnitudes(base, t, blocks), k)
+                                       for t in tensors])}
+
+
+def outlier_thresholds(base: Tensor, tensors: Sequence[Tensor], blocks: list[slice], *,
+                       density: float, gamma: float, trim_rounding: str = "ceil",
+                       **params) -> dict:
+    """Breadcrumbs' per-model band [low, high] of kept magnitudes (sparse.trim_outliers)."""
+    check_density(density)
+    n = base.numel()
+    if density == 1.0 or n == 0:
+        return {}
+    keep = keep_count(n, density, trim_rounding)
+    bottom = max(0, n - keep - int(gamma * n))
+    bands = [(kth_largest(parts, n - bottom), kth_largest(parts, n - bottom - keep + 1))
+             for parts in (_magnitudes(base, t, blocks) for t in tensors)]
+    return {"bands": torch.tensor(bands, dtype=torch.float32)}  # [N, 2]: low, high
+
+
+def merge_in_blocks(function: Callable[..., Tensor], base: Tensor | None,
+                    tensors: Sequence[Tensor], blocks: list[slice], dtype: torch.dtype,
+                    pass_base: bool, **kwargs) -> Tensor:
+    """`function` applied to each row block of the inputs, written into one tensor of `dtype`
+    (the cast of a block is the cast of those entries of the whole)."""
+    out = torch.empty(tensors[0].shape, dtype=dtype)
+    for b in blocks:
+        parts = [t[b] for t in tensors]
+        merged = (function(base[b], parts, **kwargs) if pass_base and base is not None
+                  else function(parts, **kwargs))
+        out[b] = merged.to(dtype)
+    return out

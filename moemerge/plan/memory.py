@@ -1,0 +1,53 @@
+"""What a build will hold in memory and write, estimated from the plan before any data is read.
+
+The executor keeps at most `lookahead` jobs in flight, each holding its inputs as read and its
+output (benchmarks/README.md, "Peak memory of a build"); a merge's own float32 working set is a
+few row blocks for the methods that run in blocks (merge/blocks.py) and several float32 copies
+of the whole tensor per model for the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from moemerge.merge.blocks import BLOCK_ELEMENTS
+from moemerge.merge.registry import get
+from moemerge.plan.jobs import Job, Plan, Source
+
+# float32 bytes per entry per model of a merge's working set (tests/integration/
+# test_memory_bound.py measures them): a block's for blocked methods, the tensor's otherwise
+BLOCK_WORKING = 4 * 6
+WHOLE_WORKING = (8, 20)  # a + b · (models − 1)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    peak_bytes: int  # above the process's memory before the build
+    output_bytes: int
+
+
+def _inputs(job: Job) -> list[Source]:
+    return [*job.sources, *([job.base] if job.base is not None else [])]
+
+
+def working_set(job: Job) -> int:
+    """The merge's own float32 working set beyond its inputs and output."""
+    if job.kind != "merge" or job.merge is None:
+        return 0
+    n = len(_inputs(job))
+    numel = job.nbytes // job.dtype.itemsize
+    if get(job.merge.method).blocks is not None:
+        return min(numel, BLOCK_ELEMENTS) * BLOCK_WORKING * n
+    a, b = WHOLE_WORKING
+    return numel * (a + b * max(0, n - 1))
+
+
+def estimate(plan: Plan, source_bytes: Callable[[Source], int], lookahead: int = 3) -> Estimate:
+    """The peak over every `lookahead` consecutive jobs of their inputs and outputs, plus the
+    output being written and the largest working set of one merge."""
+    held = [sum(map(source_bytes, _inputs(job))) + job.nbytes for job in plan.jobs]
+    window = max((sum(held[i:i + lookahead]) for i in range(len(held))), default=0)
+    writing = max((job.nbytes for job in plan.jobs), default=0)
+    return Estimate(window + writing + max(map(working_set, plan.jobs), default=0),
+                    plan.total_bytes)
