@@ -92,7 +92,8 @@ elif mode == "moemerge":
     result["startup_seconds"] = time.perf_counter() - t0
     r0, w0 = io()
     t0 = time.perf_counter()
-    build(args["recipe"], args["out"], progress=False, verify="structure")
+    build(args["recipe"], args["out"], progress=False, verify="structure",
+          workers=args.get("workers", 1), device=args.get("device", "cpu"))
     r1, w1 = io()
     result |= {"read_bytes": r1 - r0, "written_bytes": w1 - w0}
 elif mode == "compute":  # the merge arithmetic alone, inputs already in memory, no I/O
@@ -111,8 +112,8 @@ elif mode == "compute":  # the merge arithmetic alone, inputs already in memory,
                 t.copy_(torch.randn(shape, generator=gen))
             t1 = time.perf_counter()
             params = {"density": 0.5} if "ties" in method else {}
-            merge(method, base=base, tensors=tensors, generator=gen, **params).to(
-                torch.bfloat16)
+            merge(method, base=base, tensors=tensors, generator=gen, dtype=torch.bfloat16,
+                  **params)
             spent += (time.perf_counter() - t1) * count
             del tensors, base
         result[f"{method}_merge_s"] = round(spent, 1)
@@ -253,9 +254,7 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path("/tmp/moemerge-scale"))
     parser.add_argument("--mergekit", type=Path, help="bin/ holding mergekit-yaml, mergekit-moe")
     parser.add_argument("--runs", default=",".join(RUNS), help="KIND:METHOD,... of "
-                        f"{', '.join(ALL_RUNS)}. TIES and DARE-TIES hold about (10 + 20 · "
-                        "experts) bytes per element of the largest tensor (benchmarks/README.md):"
-                        " at the 1B shape ~21 GB with 4 experts, so run them with --experts 2")
+                        f"{', '.join(ALL_RUNS)}")
     parser.add_argument("--inspect", action="store_true")
     parser.add_argument("--compute", default="", help="methods (comma-separated) whose merge "
                         "arithmetic alone to time: random bf16 inputs in memory, every tensor "
@@ -264,8 +263,9 @@ def main() -> None:
                         "threshold (kthvalue, topk, histogram) on the largest tensor")
     parser.add_argument("--cold", action="store_true", help="also a cold-cache floor and "
                         "moemerge dense average (needs write access to drop_caches)")
-    parser.add_argument("--device", default="cpu", help="recorded in the results; the build "
-                        "arithmetic runs on the CPU until `build --device` exists")
+    parser.add_argument("--device", default="cpu", help="where moemerge's merge arithmetic "
+                        "runs (build --device): cpu, or cuda on a GPU machine")
+    parser.add_argument("--workers", type=int, default=1, help="build --workers")
     parser.add_argument("--tag", help="results key (default: shape[-layers])")
     opts = parser.parse_args()
 
@@ -287,7 +287,8 @@ def main() -> None:
         out = work / f"out-{kind}-{method}"
         warm(inputs)
         recipe = moemerge_recipe(work, base, experts, kind, method)
-        r = child("moemerge", recipe=str(recipe), out=str(out))
+        r = child("moemerge", recipe=str(recipe), out=str(out), workers=opts.workers,
+                  device=opts.device)
         r["out_bytes"] = dir_bytes(out)
         out_bytes.setdefault(kind, sum(Path(f).stat().st_size for f in out.glob("*.safetensors")))
         shutil.rmtree(out)
@@ -383,7 +384,7 @@ def report(opts, runs: dict, made: dict) -> None:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
                    f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB",
-        "device": opts.device, **versions(),
+        "device": opts.device, "workers": opts.workers, **versions(),
         "mergekit": mergekit_version(opts.mergekit),
         "inputs": f"{tag}: 1 base + {opts.experts} experts, {info['params'] / 1e9:.2f}B params "
                   f"each, {info['model_bytes'] / 1e9:.2f} GB bf16 in {info['shards']} shard(s), "

@@ -53,6 +53,9 @@ def finetune(
     eval_every: Annotated[Optional[int], Opt(help="Evaluate every N steps [0: end].")] = None,  # noqa: UP045
     seed: Annotated[Optional[int], Opt(help="Seed of data order and RNG [0].")] = None,  # noqa: UP045
     device: Annotated[Optional[str], Opt(help="auto | cpu | cuda [auto].")] = None,  # noqa: UP045
+    autocast: Annotated[Optional[str], Opt(  # noqa: UP045
+        help="Mixed-precision forwards: auto (bf16 on CUDA, none on the CPU) | bf16 | off "
+        "[auto].")] = None,
     save_every: Annotated[Optional[int], Opt(  # noqa: UP045
         help="Checkpoint into OUT.checkpoints/ every N steps [0: never].")] = None,
     keep_checkpoints: Annotated[Optional[int], Opt(help="Checkpoints kept [2].")] = None,  # noqa: UP045
@@ -95,6 +98,6 @@ def finetune(
 _FINETUNE_FIELDS = {
     "model", "output", "seq_len", "eval_fraction", "text_field", "batch_size", "grad_accum",
     "steps", "epochs", "lr", "weight_decay", "schedule", "warmup_steps", "max_grad_norm",
-    "aux_loss_coef", "eval_every", "seed", "device", "save_every", "keep_checkpoints", "resume",
-    "force", "fsdp", "gradient_checkpointing", "trust_remote_code",
+    "aux_loss_coef", "eval_every", "seed", "device", "autocast", "save_every", "keep_checkpoints",
+    "resume", "force", "fsdp", "gradient_checkpointing", "trust_remote_code",
 }

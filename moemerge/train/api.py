@@ -82,7 +82,7 @@ def _check_outputs(cfg: TrainConfig, ctx: distributed.Dist) -> None:
 def finetune(cfg: TrainConfig, *, console: Console | None = None,
              on_step: Callable[[dict], None] | None = None) -> FinetuneResult:
     """Train `cfg.train` parts of the MoE `cfg.model` on `cfg.data` and write `cfg.output`."""
-    ctx = distributed.setup(cfg.device, cfg.fsdp)
+    ctx = distributed.setup(cfg.device, cfg.fsdp, cfg.autocast)
     try:
         return _finetune(cfg, ctx, console if ctx.main else None, on_step)
     finally:

@@ -42,6 +42,9 @@ class TrainConfig(BaseModel):
     eval_every: int = Field(default=0, ge=0)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    autocast: Literal["auto", "off", "bf16"] = Field(
+        default="auto", description="Mixed-precision forwards: auto = bf16 on CUDA, none on "
+        "the CPU; bf16 = on either; off = float32.")
     save_every: int = Field(default=0, ge=0)
     keep_checkpoints: int = Field(default=2, ge=1)
     resume: bool = False

@@ -24,14 +24,18 @@ class Dist:
     local_rank: int
     device: torch.device
     sharded: bool = False  # --fsdp over several processes (one process trains unsharded)
+    autocast: torch.dtype | None = None  # forward passes under torch.autocast in this dtype
 
     @property
     def main(self) -> bool:
         return self.rank == 0
 
 
-def setup(device: str, fsdp: bool = False) -> Dist:
-    """Read torchrun's env, pick the device, and join the process group when world > 1."""
+def setup(device: str, fsdp: bool = False, autocast: str = "auto") -> Dist:
+    """Read torchrun's env, pick the device, and join the process group when world > 1.
+    autocast "auto": bf16 (fp16 where bf16 is missing) on CUDA, none on the CPU (fp32: exact
+    and reproducible); "bf16": bf16 on either (the CUDA path's arithmetic, testable on the
+    CPU); "off": fp32."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -46,7 +50,16 @@ def setup(device: str, fsdp: bool = False) -> Dist:
         dev = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    return Dist(rank, world, local_rank, dev, sharded=fsdp and world > 1)
+    return Dist(rank, world, local_rank, dev, sharded=fsdp and world > 1,
+                autocast=_autocast_dtype(autocast, dev))
+
+
+def _autocast_dtype(mode: str, device: torch.device) -> torch.dtype | None:
+    if mode == "off" or (mode == "auto" and device.type != "cuda"):
+        return None
+    if mode == "bf16" or torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float16
 
 
 def wrap(model: torch.nn.Module, ctx: Dist, find_unused: bool = False) -> torch.nn.Module:

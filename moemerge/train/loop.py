@@ -49,10 +49,11 @@ def make_optim(params: list[torch.nn.Parameter], cfg: TrainConfig, steps: int) -
 
 
 def _autocast(ctx: Dist):
-    if ctx.device.type != "cuda":
-        return nullcontext()  # fp32 on CPU: exact and reproducible
-    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.autocast("cuda", dtype=dtype)
+    """Mixed precision for forward passes (distributed.setup chooses): the parameters, the
+    optimizer and the loss stay float32."""
+    if ctx.autocast is None:
+        return nullcontext()
+    return torch.autocast(ctx.device.type, dtype=ctx.autocast)
 
 
 def _loss(model, block: torch.Tensor, aux_coef: float, ctx: Dist) -> tuple[torch.Tensor, float]:
