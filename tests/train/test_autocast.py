@@ -3,12 +3,8 @@ same code, `--autocast bf16`, on every kind. No GPU here, so this is where that 
 
 import pytest
 import torch
-from conftest import perturbed_copy, write_recipe
-from test_gradient_checkpointing import IDS, KINDS
-from transformers import AutoModelForCausalLM
+from test_gradient_checkpointing import IDS, KINDS, built_model
 
-from moemerge.api import build
-from moemerge.modeling import register
 from moemerge.train import loop
 from moemerge.train.distributed import Dist, setup
 
@@ -25,13 +21,7 @@ def test_setup_chooses_autocast_by_device():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_bf16_autocast_forward_and_float32_gradients(kind, model_factory, tmp_path):
-    register()
-    base = model_factory("llama")
-    experts = [perturbed_copy(base, tmp_path / f"e{i}", scale=0.1, seed=i) for i in range(2)]
-    recipe = (f"kind: moe\n{'' if kind == 'bridged' else f'base_model: {base}'}\n"
-              f"experts: [{experts[0]}, {experts[1]}]\n{KINDS[kind]}\n")
-    build(write_recipe(tmp_path / "r.yaml", recipe), tmp_path / "moe", progress=False)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "moe", dtype=torch.float32).train()
+    model = built_model(kind, model_factory, tmp_path)
     block = torch.cat([IDS, IDS[:, :1]], dim=1)  # [b, T + 1]
     seen = []  # output dtypes of the linear layers inside the forward
     hooks = [m.register_forward_hook(lambda _m, _i, o: seen.append(o.dtype))

@@ -33,15 +33,20 @@ def loss_and_grads(model):
                            if p.grad is not None}
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_layers_recompute_and_gradients_match(kind, model_factory, tmp_path):
+def built_model(kind: str, model_factory, tmp_path):
+    """A float32 MoE of `kind` from two perturbed copies of a tiny Llama, in training mode."""
     register()
     base = model_factory("llama")
     experts = [perturbed_copy(base, tmp_path / f"e{i}", scale=0.1, seed=i) for i in range(2)]
     recipe = (f"kind: moe\n{'' if kind == 'bridged' else f'base_model: {base}'}\n"
               f"experts: [{experts[0]}, {experts[1]}]\n{KINDS[kind]}\n")
     build(write_recipe(tmp_path / "r.yaml", recipe), tmp_path / "moe", progress=False)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "moe", dtype=torch.float32).train()
+    return AutoModelForCausalLM.from_pretrained(tmp_path / "moe", dtype=torch.float32).train()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_layers_recompute_and_gradients_match(kind, model_factory, tmp_path):
+    model = built_model(kind, model_factory, tmp_path)
     plain = loss_and_grads(model)
 
     layer = next(m for m in model.modules() if type(m).__name__.endswith("DecoderLayer"))
