@@ -19,7 +19,7 @@ from moemerge.toy.experts import (
     make_random_model,
 )
 from moemerge.toy.tokenizer import train_tokenizer
-from moemerge.toy.train import init_model, model_config
+from moemerge.toy.train import ROPE_THETA, init_model, model_config
 
 torch.set_num_threads(2)
 
@@ -29,7 +29,11 @@ def test_random_model_loads_and_generates(tmp_path, family):
     path = make_random_model(family, tmp_path / family, seed=1)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     assert model.config.model_type == family
-    assert model.config.rope_parameters["rope_theta"] == 10000.0
+    # the rotary frequencies the model runs with, on either transformers major (4 reads
+    # config.rope_theta, 5 config.rope_parameters): θ^(−2j/d) for head size d
+    head = model.config.hidden_size // model.config.num_attention_heads
+    expected = ROPE_THETA ** -(torch.arange(0, head, 2, dtype=torch.float32) / head)
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, expected)
     if family == "mistral":
         assert model.config.sliding_window == 256
     out = model.generate(torch.tensor([[1, 5, 7]]), max_new_tokens=3, do_sample=False)
