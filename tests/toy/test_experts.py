@@ -102,8 +102,12 @@ def test_experts_branch_from_base_and_specialise(tiny_set):
         text = tiny_set.eval_text[domain].read_text()
         random_ppl = perplexity(untrained, tok, text, seq_len=64)
         base_ppl = _own_domain_ppl(tiny_set, tiny_set.base, domain)
+        # Measured on TINY seeds 0-4 (transformers 5.23 and 4.56.2 alike): base / untrained
+        # perplexity 0.17-0.30 (code, prose), 0.02 (math); own expert / base 0.54-0.79 (seed 0:
+        # 0.77 code, 0.70 prose, 0.58 math). The bounds sit 0.2 and 0.11 above the worst seed,
+        # more than the seeds' spread, and still fail a base or expert that did not learn.
         assert base_ppl < 0.5 * random_ppl  # the base learned something from the mixture
-        assert _own_domain_ppl(tiny_set, expert, domain) < base_ppl  # and each expert more
+        assert _own_domain_ppl(tiny_set, expert, domain) < 0.9 * base_ppl  # each expert more
 
 
 def test_second_call_uses_the_cache(tiny_set, monkeypatch):
@@ -135,6 +139,9 @@ def test_model_config_rejects_unknown_family():
 
 @pytest.mark.slow
 def test_demo_experts_are_better_on_their_own_domain(tmp_path):
+    """Measured own expert / base perplexity on DEMO seeds 0, 1, 2: code 0.84 / 0.88 / 0.86,
+    prose 0.80 / 0.81 / 0.78, math 0.77 / 0.84 / 0.80. The bound 0.95 is 0.07 above the worst
+    (code, seed 1), nearly twice the code spread over seeds (0.04)."""
     toyset = cached_toy_experts(DEMO, cache_dir=tmp_path, progress=False)
     for domain, expert in toyset.experts.items():
         base_ppl = _own_domain_ppl(toyset, toyset.base, domain)
