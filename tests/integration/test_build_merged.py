@@ -2,12 +2,14 @@
 identical experts, one-hot merges, causality, generation, dynamic merging and export."""
 
 import json
+import sys
 
 import pytest
 import torch
 from conftest import FAMILIES, generate_in_fresh_process, perturbed_copy, write_recipe
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
+from transformers.cache_utils import DynamicCache
 from typer.testing import CliRunner
 
 from moemerge.api import build
@@ -135,33 +137,124 @@ def test_cached_decoding_equals_the_full_forward(distinct_merged, mask, dynamic,
     for chunk in (1, 3):
         step = decoded_logits(model, ids, prompt, chunk)
         torch.testing.assert_close(step, full, atol=1e-5, rtol=0)
-    # the comparison can fail: the routing after the prompt moves the logits far more than
-    # the tolerance (keeping the prompt's scores, as before, would have been caught)
-    stale = model.model.layers[0].mlp.router.weight
+
+
+def remote_module(model):
+    """The module of the shipped code the model was loaded from (trust_remote_code)."""
+    return sys.modules[type(model).__module__]
+
+
+@pytest.mark.parametrize("mask, dynamic", [("none", False), ("ties", True)])
+def test_decoding_with_the_prompts_scores_is_caught(distinct_merged, mask, dynamic,
+                                                    monkeypatch):
+    """The behaviour before segment routing was carried through the cache: every generated
+    token kept the scores of the prompt's last token. Decoding that way is outside the
+    comparison's tolerance (1e-5) by orders of magnitude."""
+    model = distinct_merged(mask, dynamic)
+    mlp_class = type(model.mlps()[0])
+    original, kept = mlp_class.scores, {}
+
+    def prompt_scores(self, h):
+        s = original(self, h)  # still updates the cache's segment state
+        if self.step.offset == 0:
+            kept[self.layer] = s[:, -1:]
+            return s
+        return kept[self.layer].expand_as(s)
+
+    ids = torch.randint(0, 256, (2, 19), generator=torch.Generator().manual_seed(5))
+    full = logits(model, ids)
+    monkeypatch.setattr(mlp_class, "scores", prompt_scores)
+    stale = decoded_logits(model, ids, 5, 1)
+    assert (stale[:, :5] - full[:, :5]).abs().max() <= 1e-5  # the prompt itself is unchanged
+    assert (stale[:, 5:] - full[:, 5:]).abs().max() > 100 * 1e-5
+
+
+def reference_beam_search(model, prompt, beams: int, new_tokens: int):
+    """Beam search written plainly: each step, one full forward (no cache) over every running
+    prefix, and the `beams` best prefix + token by summed log-probability. -> (sequences
+    [beams, T], scores [beams]), best first."""
+    running, scores = prompt, torch.zeros(1)
     with torch.no_grad():
-        saved = stale.clone()
-        stale.mul_(0.0)
-        assert (logits(model, ids)[:, prompt:] - full[:, prompt:]).abs().max() > 1e-3
-        stale.copy_(saved)
+        for _ in range(new_tokens):
+            out = model(input_ids=running, use_cache=False).logits[:, -1].float()
+            total = (scores[:, None] + torch.log_softmax(out, -1)).flatten()
+            top = total.topk(beams)
+            row, token = top.indices // out.shape[1], top.indices % out.shape[1]
+            running, scores = torch.cat([running[row], token[:, None]], 1), top.values
+    return running, scores
 
 
-def test_generation_continues_segment_routing(distinct_merged):
-    """Greedy and beam search: every generated token is the argmax of one full forward over the
-    generated sequence (left-padded batch included)."""
+def beam_search(model, prompt):
+    """generate()'s beam search through the MergedCache: all 3 beams and their summed
+    log-probabilities (length_penalty 0), 9 tokens, no early stop."""
+    model.generation_config.eos_token_id = None
+    out = model.generate(prompt, num_beams=3, num_return_sequences=3, max_new_tokens=9,
+                         do_sample=False, length_penalty=0.0, pad_token_id=0,
+                         output_scores=True, return_dict_in_generate=True)
+    return out.sequences, out.sequences_scores
+
+
+def test_beam_search_equals_a_beam_search_over_full_forwards(distinct_merged):
+    """Beam reordering carries each beam's segment sums: every beam generate() returns, and its
+    score, equal a beam search that re-runs the full forward over each candidate prefix."""
+    model = distinct_merged("ties", True)
+    prompt = IDS[:1, :6]  # the 9 new tokens close segment 1 and fill segments 2 and 3
+    sequences, scores = beam_search(model, prompt)
+    theirs, their_scores = reference_beam_search(model, prompt, 3, 9)
+    assert torch.equal(sequences, theirs)
+    torch.testing.assert_close(scores, their_scores, atol=1e-4, rtol=0)
+
+
+def reorder_mismatch(model) -> float:
+    """Three distinct 7-token prefixes (segment 0 closed, segment 1 open), the cache reordered
+    as beam search does (a permutation with a repeat), then 6 tokens through it: max |Δ logit|
+    from one full forward over the reordered prefixes and the new tokens."""
+    gen = torch.Generator().manual_seed(11)
+    ids, new = torch.randint(0, 256, (3, 7), generator=gen), torch.randint(0, 256, (3, 6),
+                                                                           generator=gen)
+    order = torch.tensor([2, 0, 0])
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+        cache.reorder_cache(order)
+        cached = model(input_ids=new, past_key_values=cache, use_cache=True).logits
+        full = model(input_ids=torch.cat([ids[order], new], 1)).logits[:, 7:]
+    return float((cached - full).abs().max())
+
+
+def test_a_reordered_cache_continues_the_reordered_prefixes(distinct_merged):
+    assert reorder_mismatch(distinct_merged("ties", True)) <= 1e-5
+
+
+def test_a_wrong_beam_reorder_is_caught(distinct_merged, monkeypatch):
+    """Both comparisons with reorder_cache moving the keys and values but leaving each row's
+    segment sums where they were: generate() no longer equals the reference beam search, and
+    the continuation is far from the full forward."""
+    model = distinct_merged("ties", True)
+    prompt = IDS[:1, :6]
+    theirs, their_scores = reference_beam_search(model, prompt, 3, 9)
+    monkeypatch.setattr(remote_module(model).MergedCache, "reorder_cache",
+                        lambda self, beam_idx: DynamicCache.reorder_cache(self, beam_idx))
+    sequences, scores = beam_search(model, prompt)
+    assert not torch.equal(sequences, theirs) or \
+        (scores - their_scores).abs().max() > 100 * 1e-4
+    assert reorder_mismatch(model) > 100 * 1e-5
+
+
+def test_greedy_generation_continues_segment_routing(distinct_merged):
+    """Every greedy-generated token is the argmax of one full forward over the generated
+    sequence (left-padded batch included)."""
     model = distinct_merged("ties", True)
     model.generation_config.eos_token_id = None  # all 9 tokens, no early stop
-    kw = {"max_new_tokens": 9, "do_sample": False, "pad_token_id": 0}
     ids = IDS[:, :6].clone()
     mask = torch.ones_like(ids)
     ids[1, :2], mask[1, :2] = 0, 0  # row 1 is a left-padded 4-token prompt
-    greedy = model.generate(ids, attention_mask=mask, **kw)
+    greedy = model.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=False,
+                            pad_token_id=0)
     assert greedy.shape == (2, 15)
     full_mask = torch.cat([mask, torch.ones(2, 9, dtype=mask.dtype)], 1)
     with torch.no_grad():
         full = model(input_ids=greedy, attention_mask=full_mask).logits
     assert torch.equal(full[:, 5:-1].argmax(-1), greedy[:, 6:])
-    beams = model.generate(ids[:1], num_beams=3, **kw)
-    assert beams.shape == (1, 15)
     cache = model(input_ids=ids[:1], use_cache=True).past_key_values
     assert set(cache.segments) == set(range(len(model.mlps())))
 

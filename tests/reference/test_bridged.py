@@ -47,12 +47,12 @@ def compare(out, experts, router, temperature, how):
 @pytest.mark.parametrize("router, temperature, how", [("learned", 0.7, "hidden"),
                                                       ("learned", 1.3, "logits"),
                                                       ("perplexity", 0.01, "logits")])
-def test_shipped_equals_the_reference(router, temperature, how, experts, tmp_path):
+def test_shipped_equals_the_reference(router, temperature, how, experts, tmp_path, record):
     out = build_bridged(tmp_path, experts, router, temperature, how)
-    assert compare(out, experts, router, temperature, how) <= TOLERANCE
+    assert record(compare(out, experts, router, temperature, how)) <= TOLERANCE
 
 
-def test_the_comparison_can_fail(experts, tmp_path):
+def test_the_comparison_can_fail(experts, tmp_path, record):
     """One projector weight changed in the checkpoint moves the shipped output far outside the
     tolerance of the (unchanged) reference."""
     out = build_bridged(tmp_path, experts, "learned", 0.7, "hidden")
@@ -64,4 +64,4 @@ def test_the_comparison_can_fail(experts, tmp_path):
         ours = model(input_ids=IDS).logits
         theirs = bridged(IDS, [dense(e) for e in experts], reference, router="learned", k=2,
                          temperature=0.7, how="hidden")
-    assert (ours - theirs).abs().max() > 100 * TOLERANCE
+    assert record((ours - theirs).abs().max(), "one projector weight changed") > 100 * TOLERANCE

@@ -76,30 +76,38 @@ CASES = [(0, "none", False), (1, "none", False), (2, "ties", False), (1, "dare",
 
 @pytest.mark.parametrize("rank, mask, dynamic", CASES)
 @pytest.mark.parametrize("experts_set", ["perturbed", "tiny"])
-def test_shipped_equals_the_reference(experts_set, rank, mask, dynamic, source_sets, tmp_path):
+def test_shipped_equals_the_reference(experts_set, rank, mask, dynamic, source_sets, tmp_path,
+                                      record):
     base, experts = source_sets[experts_set]
     out = build_merged(tmp_path, base, experts, rank, mask, dynamic)
     theirs, _ = reference(out, base, experts, rank, mask, dynamic)
-    assert (shipped(out) - theirs).abs().max() <= TOLERANCE
+    assert record((shipped(out) - theirs).abs().max()) <= TOLERANCE
 
 
-@pytest.mark.parametrize("mask", ["none", "ties", "dare"])
-def test_export_writes_the_reference_baked_experts(mask, sources, tmp_path):
-    base, experts = sources
-    out = build_merged(tmp_path, base, experts, 2, mask, True)
-    _, baked = reference(out, base, experts, 2, mask, True)
+def export_mismatch(out, baked, tmp_path) -> float:
+    """`moemerge export` of `out`: max |Δ| of its expert weights from the reference's `baked`."""
     result = CliRunner().invoke(app, ["export", str(out), str(tmp_path / "baked")])
     assert result.exit_code == 0, result.output
     written = output_tensors(tmp_path / "baked")
-    worst = max((written[f"model.layers.{layer}.mlp.experts.{i}.{p}.weight"] - w).abs().max()
-                for layer, projs in enumerate(baked) for p, ws in projs.items()
-                for i, w in enumerate(ws))
-    assert worst <= 1e-6
-    theirs, _ = reference(out, base, experts, 2, mask, True)
-    assert (shipped(tmp_path / "baked") - theirs).abs().max() <= TOLERANCE
+    return float(max((written[f"model.layers.{layer}.mlp.experts.{i}.{p}.weight"] - w).abs().max()
+                     for layer, projs in enumerate(baked) for p, ws in projs.items()
+                     for i, w in enumerate(ws)))
 
 
-def test_the_comparison_can_fail(sources, tmp_path):
+@pytest.mark.parametrize("rank, mask, dynamic", [(2, "none", True), (2, "ties", True),
+                                                 (2, "dare", True), (1, "none", False),
+                                                 (1, "ties", False), (2, "dare", False)])
+def test_export_writes_the_reference_baked_experts(rank, mask, dynamic, sources, tmp_path,
+                                                   record):
+    base, experts = sources
+    out = build_merged(tmp_path, base, experts, rank, mask, dynamic)
+    theirs, baked = reference(out, base, experts, rank, mask, dynamic)
+    assert record(export_mismatch(out, baked, tmp_path), "baked expert weights") <= 1e-6
+    assert record((shipped(tmp_path / "baked") - theirs).abs().max(), "logits of the export") \
+        <= TOLERANCE
+
+
+def test_the_comparison_can_fail(sources, tmp_path, record):
     """One curvature factor entry changed in the reference's inputs moves it far outside the
     tolerance of the shipped model."""
     base, experts = sources
@@ -107,4 +115,18 @@ def test_the_comparison_can_fail(sources, tmp_path):
     tensors = output_tensors(out)
     tensors["model.layers.1.mlp.curvature.up_proj.C"][2, 0, 0, 1] += 0.5
     theirs, _ = reference(out, base, experts, 1, "none", False, tensors=tensors)
-    assert (shipped(out) - theirs).abs().max() > 100 * TOLERANCE
+    assert record((shipped(out) - theirs).abs().max(), "one curvature entry changed") \
+        > 100 * TOLERANCE
+
+
+def test_the_export_comparison_can_fail(sources, tmp_path, record):
+    """One curvature factor entry changed in the checkpoint after the reference baked it: the
+    exported experts of that layer are far outside the tolerance."""
+    base, experts = sources
+    out = build_merged(tmp_path, base, experts, 1, "ties", False)
+    _, baked = reference(out, base, experts, 1, "ties", False)
+    tensors = output_tensors(out)
+    tensors["model.layers.1.mlp.curvature.up_proj.C"][2, 0, 0, 1] += 0.5
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    assert record(export_mismatch(out, baked, tmp_path), "one factor changed after baking") \
+        > 100 * 1e-6

@@ -19,7 +19,7 @@ from moemerge.toy.experts import (
     make_random_model,
 )
 from moemerge.toy.tokenizer import train_tokenizer
-from moemerge.toy.train import init_model, model_config
+from moemerge.toy.train import ROPE_THETA, init_model, model_config
 
 torch.set_num_threads(2)
 
@@ -29,7 +29,11 @@ def test_random_model_loads_and_generates(tmp_path, family):
     path = make_random_model(family, tmp_path / family, seed=1)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     assert model.config.model_type == family
-    assert model.config.rope_parameters["rope_theta"] == 10000.0
+    # the rotary frequencies the model runs with, on either transformers major (4 reads
+    # config.rope_theta, 5 config.rope_parameters): θ^(−2j/d) for head size d
+    head = model.config.hidden_size // model.config.num_attention_heads
+    expected = ROPE_THETA ** -(torch.arange(0, head, 2, dtype=torch.float32) / head)
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, expected)
     if family == "mistral":
         assert model.config.sliding_window == 256
     out = model.generate(torch.tensor([[1, 5, 7]]), max_new_tokens=3, do_sample=False)
@@ -98,8 +102,12 @@ def test_experts_branch_from_base_and_specialise(tiny_set):
         text = tiny_set.eval_text[domain].read_text()
         random_ppl = perplexity(untrained, tok, text, seq_len=64)
         base_ppl = _own_domain_ppl(tiny_set, tiny_set.base, domain)
+        # Measured on TINY seeds 0-4 (transformers 5.23 and 4.56.2 alike): base / untrained
+        # perplexity 0.17-0.30 (code, prose), 0.02 (math); own expert / base 0.54-0.79 (seed 0:
+        # 0.77 code, 0.70 prose, 0.58 math). The bounds sit 0.2 and 0.11 above the worst seed,
+        # more than the seeds' spread, and still fail a base or expert that did not learn.
         assert base_ppl < 0.5 * random_ppl  # the base learned something from the mixture
-        assert _own_domain_ppl(tiny_set, expert, domain) < base_ppl  # and each expert more
+        assert _own_domain_ppl(tiny_set, expert, domain) < 0.9 * base_ppl  # each expert more
 
 
 def test_second_call_uses_the_cache(tiny_set, monkeypatch):
@@ -131,6 +139,9 @@ def test_model_config_rejects_unknown_family():
 
 @pytest.mark.slow
 def test_demo_experts_are_better_on_their_own_domain(tmp_path):
+    """Measured own expert / base perplexity on DEMO seeds 0, 1, 2: code 0.84 / 0.88 / 0.86,
+    prose 0.80 / 0.81 / 0.78, math 0.77 / 0.84 / 0.80. The bound 0.95 is 0.07 above the worst
+    (code, seed 1), nearly twice the code spread over seeds (0.04)."""
     toyset = cached_toy_experts(DEMO, cache_dir=tmp_path, progress=False)
     for domain, expert in toyset.experts.items():
         base_ppl = _own_domain_ppl(toyset, toyset.base, domain)

@@ -49,10 +49,13 @@ def train_camex(camex, name: str, parts: list[str], steps: int):
 
 
 def test_curvature_finetune_lowers_loss_and_export_keeps_outputs(camex):
-    """Measured: mean held-out loss 3.582 -> 3.508 after 30 steps (TINY experts)."""
+    """Measured mean held-out loss falls after 30 steps (transformers 5.23 and 4.56.2 alike):
+    0.074 / 0.075 / 0.073 (TINY experts, finetune seeds 0 / 1 / 2), 0.091 / 0.071 (TINY seeds
+    1 / 2, finetune seed 0); from 3.582 to 3.508 here. The bound, a fall of 0.035, is half the
+    smallest and 0.036 under it, nearly twice the spread over seeds (0.02)."""
     root, _ = camex
     result, mean, changed = train_camex(camex, "tuned", ["curvature", "routers"], steps=30)
-    assert mean["after"] < mean["before"] - 0.01
+    assert mean["after"] < mean["before"] - 0.035
     assert result.trained and all(".curvature." in n or n.endswith("mlp.router.weight")
                                   for n in result.trained)
     assert changed and all(".curvature." in n or ".router." in n for n in changed)
@@ -70,12 +73,13 @@ def test_curvature_finetune_lowers_loss_and_export_keeps_outputs(camex):
 
 
 def test_curvature_alone_changes_only_curvature_and_lowers_loss(camex):
-    """--train curvature with the routers frozen. Measured (TINY experts, 20 steps): mean
-    held-out loss 3.5815 -> 3.5458 (seed 0) and -> 3.5459 (seed 1); the test asks for a fall
-    of 0.01, under a third of the measured 0.036."""
+    """--train curvature with the routers frozen. Measured (20 steps) mean held-out loss falls:
+    0.036 (TINY experts, finetune seeds 0 and 1: 3.5815 -> 3.5458 / 3.5459), 0.053 and 0.040
+    (TINY seeds 1 and 2). The bound, a fall of 0.018, is half the smallest, 0.018 under it,
+    about the spread over seeds (0.017)."""
     root, _ = camex
     _, mean, changed = train_camex(camex, "curved", ["curvature"], steps=20)
-    assert mean["after"] < mean["before"] - 0.01
+    assert mean["after"] < mean["before"] - 0.018
     assert changed == {n for n in tensors(root / "moe") if ".curvature." in n}
 
 
