@@ -79,24 +79,24 @@ class SliceCase(Case):
 
 @dataclass(frozen=True)
 class SlerpCase(Case):
-    """mergekit's README SLERP: t filtered by tensor name, attention on a 3-point gradient."""
+    """slerp of models 1 and 2, model 1 mergekit's base (t = 0): mergekit's t setting in
+    `mk_params`, moemerge's merge block in `ours`; `slices` writes the mergekit config as the
+    README's one slice of every layer, else as `models`."""
+
+    slices: bool = False
 
     def mergekit(self, models) -> str:
-        return yaml.safe_dump({
-            "merge_method": "slerp", "base_model": str(models[1]), "dtype": "float32",
-            "slices": [{"sources": [{"model": str(models[1]), "layer_range": [0, 4]},
-                                    {"model": str(models[2]), "layer_range": [0, 4]}]}],
-            "parameters": {"t": [{"filter": "self_attn", "value": [0, 0.5, 1]},
-                                 {"filter": "mlp", "value": [1, 0.5, 0]}, {"value": 0.3}]},
-        }, sort_keys=False)
+        a, b = str(models[1]), str(models[2])
+        inputs = ({"slices": [{"sources": [{"model": a, "layer_range": [0, 4]},
+                                           {"model": b, "layer_range": [0, 4]}]}]}
+                  if self.slices else {"models": [{"model": a}, {"model": b}]})
+        return yaml.safe_dump({"merge_method": "slerp", "base_model": a, "dtype": "float32",
+                               **inputs, "parameters": self.mk_params}, sort_keys=False)
 
     def moemerge(self, models, *, conventions: bool, seed: int = 0) -> str:
-        return yaml.safe_dump({
-            "kind": "merge", "models": [str(models[1]), str(models[2])],
-            "output": {"dtype": "float32"},
-            "merge": {"method": "slerp", "t": 0.3, "overrides": [
-                {"roles": ["attn"], "t": [0, 0.5, 1]}, {"roles": ["ffn"], "t": [1, 0.5, 0]}]},
-        }, sort_keys=False)
+        return yaml.safe_dump({"kind": "merge", "models": [str(models[1]), str(models[2])],
+                               "output": {"dtype": "float32"}, "merge": self.ours},
+                              sort_keys=False)
 
 
 MK_TIES = {"trim_rounding": "floor", "zero_vote": "positive"}
@@ -121,7 +121,14 @@ CASES = [
     Case("multislerp (with base)", "multislerp", {"method": "multislerp"}),
     Case("multislerp (no base)", "multislerp", {"method": "multislerp"}, base=False),
     Case("karcher", "karcher", {"method": "karcher"}, base=False, weights=False),
-    SlerpCase("slerp (filtered t gradients)", "slerp", {"method": "slerp"}),
+    SlerpCase("slerp (filtered t gradients)", "slerp", {
+        "method": "slerp", "t": 0.3, "overrides": [
+            {"roles": ["attn"], "t": [0, 0.5, 1]}, {"roles": ["ffn"], "t": [1, 0.5, 0]}]},
+        {"t": [{"filter": "self_attn", "value": [0, 0.5, 1]},
+               {"filter": "mlp", "value": [1, 0.5, 0]}, {"value": 0.3}]}, slices=True),
+    # tensors outside the layers: embeddings, final norm and head all at t = 0 (the first value)
+    SlerpCase("slerp (t gradient [0, 1], no filter)", "slerp", {"method": "slerp", "t": [0, 1]},
+              {"t": [0, 1]}),
     SliceCase("passthrough (slices 3 + 3 layers)", "passthrough", {"method": "passthrough"}),
 ]
 RANDOM_CASES = [

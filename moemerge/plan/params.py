@@ -48,8 +48,8 @@ def at_layer(value: object, index: int | None, count: int | None) -> object:
     """A per-layer gradient (a list) evaluated at layer `index` of `count` (the model's layers,
     or a slice's): the values are spread evenly from the first layer (fraction 0) to the last
     (fraction 1) and interpolated linearly; tensors outside the layers (embeddings, final
-    norm, head) take fraction 0 and a one-layer slice fraction 1 (mergekit's rules). A scalar
-    is returned as is."""
+    norm, head) take fraction 0 and a one-layer slice fraction 1 (mergekit 0.1's rules; its
+    0.0.6 took the final norm and head at fraction 1). A scalar is returned as is."""
     if not isinstance(value, list):
         return value
     if len(value) == 1:
