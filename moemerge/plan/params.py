@@ -66,17 +66,17 @@ def at_layer(value: object, index: int | None, count: int | None) -> object:
 
 def resolve_merge(spec: MergeSpec, role: str, layer: int | None,
                   num_layers: int | None = None, *,
-                  at: tuple[int | None, int | None] | None = None) -> ResolvedMerge:
-    """Start from the spec's top-level fields, then apply matching overrides in order; then
-    the method's defaults for what is still unset. Gradients are evaluated at `at` = (index,
-    count) when given (a layer of a slice), else at (layer, num_layers)."""
+                  at: tuple[int | None, int | None] | None = None,
+                  tensor: str | None = None) -> ResolvedMerge:
+    """Start from the spec's top-level fields, then apply the overrides that select this
+    tensor (`tensor`: the output tensor's name) in order; then the method's defaults for what is
+    still unset. Gradients are evaluated at `at` = (index, count) when given (a layer of a
+    slice), else at (layer, num_layers)."""
     index, count = at if at is not None else (layer, num_layers)
     method = spec.method
     given = {name: getattr(spec, field) for name, field in param_fields().items()}
     for override in spec.overrides:
-        if override.roles is not None and role not in override.roles:
-            continue
-        if override.layers is not None and layer not in override.layers:
+        if not override.selects(role, layer, tensor):
             continue
         method = override.method or method
         for name, field in param_fields().items():
