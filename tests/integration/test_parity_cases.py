@@ -22,8 +22,8 @@ LAYERS = 4  # the benchmark's models
 TENSORS = [("embed", None, "model.embed_tokens.weight"), ("norm", None, "model.norm.weight"),
            ("lm_head", None, "lm_head.weight")] + [
     (role, layer, f"model.layers.{layer}.{suffix}") for layer in range(LAYERS)
-    for role, suffix in (("attn", "self_attn.q_proj.weight"), ("ffn", "mlp.up_proj.weight"),
-                         ("norm", "input_layernorm.weight"))]
+    for role, suffix in (("attn", "self_attn.q_proj.weight"), ("attn", "self_attn.q_norm.weight"),
+                         ("ffn", "mlp.up_proj.weight"), ("norm", "input_layernorm.weight"))]
 
 
 def inputs(recipe) -> list[tuple]:
