@@ -150,24 +150,29 @@ def _check_params(inp: Input) -> None:
                               "imported")
 
 
-def _models(entries: list, base, spec, notes: list[str]) -> list[Input]:
+def _merged(inputs: list[Input], base, spec, notes: list[str], reference: bool) -> list[Input]:
+    """The inputs that are merged: not the base when it is the task-vector `reference` (then
+    mergekit applies no parameters to it); slerp's base first (t = 0)."""
     out = []
-    for i, entry in enumerate(entries):
-        entry = entry if isinstance(entry, dict) else {"model": entry}
-        inp = Input(f"models.{i}", model_ref(entry["model"]), dict(entry.get("parameters") or {}))
-        if base is not None and inp.ref == base and spec.base != "ignored":
-            # mergekit's base is the reference, never a merged input: its parameters are unused
+    for inp in inputs:
+        if reference and base is not None and inp.ref == base and spec.base != "ignored":
             if inp.params:
                 notes.append(f"{inp.where}.parameters: not carried: {spec.name} applies no "
                              "parameters to the base model (nor does mergekit)")
             continue
         _check_params(inp)
         out.append(inp)
-    if base is not None and spec.base == "ignored" and base not in [i.ref for i in out]:
-        out.insert(0, Input("base_model", dict(base), {}))  # mergekit adds the base to the inputs
-    if spec.name == "slerp" and base is not None:  # t = 0 is the base: it goes first
+    if spec.name == "slerp" and base is not None:
         out.sort(key=lambda i: i.ref != base)
     return out
+
+
+def _models(entries: list, base, spec, notes: list[str]) -> list[Input]:
+    inputs = [Input(f"models.{i}", model_ref(e["model"]), dict(e.get("parameters") or {}))
+              for i, e in enumerate(e if isinstance(e, dict) else {"model": e} for e in entries)]
+    if base is not None and spec.base == "ignored" and base not in [i.ref for i in inputs]:
+        inputs.insert(0, Input("base_model", dict(base), {}))  # mergekit adds it to the inputs
+    return _merged(inputs, base, spec, notes, True)
 
 
 def _slice(data: dict, i: int, base, spec, notes: list[str]) -> list[Input]:
@@ -176,20 +181,11 @@ def _slice(data: dict, i: int, base, spec, notes: list[str]) -> list[Input]:
     if extra:
         raise RecipeError(f"{where}: per-slice {', '.join(extra)} cannot be imported")
     sources = data.get("sources") or []
-    out = []
-    for j, src in enumerate(sources):
-        inp = Input(f"{where}.sources.{j}", model_ref(src["model"]),
+    inputs = [Input(f"{where}.sources.{j}", model_ref(src["model"]),
                     dict(src.get("parameters") or {}), list(src["layer_range"]))
-        if base is not None and inp.ref == base and spec.base != "ignored" and len(sources) > 1:
-            if inp.params:
-                notes.append(f"{inp.where}.parameters: not carried: {spec.name} applies no "
-                             "parameters to the base model (nor does mergekit)")
-            continue
-        _check_params(inp)
-        out.append(inp)
-    if spec.name == "slerp" and base is not None:
-        out.sort(key=lambda s: s.ref != base)
-    return out
+              for j, src in enumerate(sources)]
+    # a lone source is the slice's layers themselves (layer stacking), even the base's
+    return _merged(inputs, base, spec, notes, len(sources) > 1)
 
 
 def _tokenizer(data: dict, base, notes: list[str]) -> None:
