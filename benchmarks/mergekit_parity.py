@@ -56,10 +56,12 @@ def ensure_mergekit(venv: Path) -> tuple[Path, str]:
     return venv / "bin", version
 
 
-def make_models(root: Path, hidden: int, layers: int) -> list[Path]:
+def make_models(root: Path, hidden: int, layers: int, family: str = "llama") -> list[Path]:
     """A random base and 3 copies with independent N(0, 0.01²) noise (float32)."""
+    root = root / family
+    root.mkdir()
     tokenizer = train_tokenizer(["def f(x):\n    return x + 1\n" * 50], vocab_size=300)
-    base = make_random_model("llama", root / "base", hidden=hidden, layers=layers,
+    base = make_random_model(family, root / "base", hidden=hidden, layers=layers,
                              heads=hidden // 32, kv_heads=hidden // 64, intermediate=hidden * 2,
                              vocab=512, tokenizer=tokenizer)
     tensors = load_file(base / "model.safetensors")
@@ -100,9 +102,10 @@ def max_delta(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-def exact_rows(root, bin_dir, models) -> list[dict]:
+def exact_rows(root, bin_dir, model_sets) -> list[dict]:
     rows = []
     for case in CASES:
+        models = model_sets(case.family)
         mk = run_mergekit(root, bin_dir, case.name, case.mergekit(models))
         ours = run_moemerge(root, case.name, case.moemerge(models, conventions=True))
         row = {"method": case.name, "mergekit": case.mergekit_method,
@@ -219,11 +222,18 @@ def main() -> None:
     bin_dir, version = ensure_mergekit(opts.venv)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        models = make_models(root, opts.hidden, opts.layers)
+        sets = {"llama": make_models(root, opts.hidden, opts.layers)}
+
+        def model_sets(family: str) -> list[Path]:
+            if family not in sets:
+                sets[family] = make_models(root, opts.hidden, opts.layers, family)
+            return sets[family]
+
+        models = sets["llama"]
         params = sum(t.numel() for t in load_file(models[0] / "model.safetensors").values())
         meta = {"mergekit": version, "torch": torch.__version__, "hidden": opts.hidden,
                 "layers": opts.layers, "params": params}
-        exact = exact_rows(root, bin_dir, models)
+        exact = exact_rows(root, bin_dir, model_sets)
         exact.append(moe_row(root, bin_dir, models))
         randoms = random_rows(root, bin_dir, models)
     report(meta, exact, randoms)

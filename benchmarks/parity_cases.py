@@ -24,6 +24,7 @@ class Case:
     base: bool = True
     weights: bool = True
     models: int = 3
+    family: str = "llama"  # of the benchmark's random models
 
     @property
     def options(self) -> str:
@@ -79,24 +80,24 @@ class SliceCase(Case):
 
 @dataclass(frozen=True)
 class SlerpCase(Case):
-    """mergekit's README SLERP: t filtered by tensor name, attention on a 3-point gradient."""
+    """slerp of models 1 and 2, model 1 mergekit's base (t = 0): mergekit's t setting in
+    `mk_params`, moemerge's merge block in `ours`; `slices` writes the mergekit config as the
+    README's one slice of every layer, else as `models`."""
+
+    slices: bool = False
 
     def mergekit(self, models) -> str:
-        return yaml.safe_dump({
-            "merge_method": "slerp", "base_model": str(models[1]), "dtype": "float32",
-            "slices": [{"sources": [{"model": str(models[1]), "layer_range": [0, 4]},
-                                    {"model": str(models[2]), "layer_range": [0, 4]}]}],
-            "parameters": {"t": [{"filter": "self_attn", "value": [0, 0.5, 1]},
-                                 {"filter": "mlp", "value": [1, 0.5, 0]}, {"value": 0.3}]},
-        }, sort_keys=False)
+        a, b = str(models[1]), str(models[2])
+        inputs = ({"slices": [{"sources": [{"model": a, "layer_range": [0, 4]},
+                                           {"model": b, "layer_range": [0, 4]}]}]}
+                  if self.slices else {"models": [{"model": a}, {"model": b}]})
+        return yaml.safe_dump({"merge_method": "slerp", "base_model": a, "dtype": "float32",
+                               **inputs, "parameters": self.mk_params}, sort_keys=False)
 
     def moemerge(self, models, *, conventions: bool, seed: int = 0) -> str:
-        return yaml.safe_dump({
-            "kind": "merge", "models": [str(models[1]), str(models[2])],
-            "output": {"dtype": "float32"},
-            "merge": {"method": "slerp", "t": 0.3, "overrides": [
-                {"roles": ["attn"], "t": [0, 0.5, 1]}, {"roles": ["ffn"], "t": [1, 0.5, 0]}]},
-        }, sort_keys=False)
+        return yaml.safe_dump({"kind": "merge", "models": [str(models[1]), str(models[2])],
+                               "output": {"dtype": "float32"}, "merge": self.ours},
+                              sort_keys=False)
 
 
 MK_TIES = {"trim_rounding": "floor", "zero_vote": "positive"}
@@ -121,7 +122,18 @@ CASES = [
     Case("multislerp (with base)", "multislerp", {"method": "multislerp"}),
     Case("multislerp (no base)", "multislerp", {"method": "multislerp"}, base=False),
     Case("karcher", "karcher", {"method": "karcher"}, base=False, weights=False),
-    SlerpCase("slerp (filtered t gradients)", "slerp", {"method": "slerp"}),
+    SlerpCase("slerp (filtered t gradients)", "slerp", {
+        "method": "slerp", "t": 0.3, "overrides": [
+            {"roles": ["attn"], "t": [0, 0.5, 1]}, {"roles": ["ffn"], "t": [1, 0.5, 0]}]},
+        {"t": [{"filter": "self_attn", "value": [0, 0.5, 1]},
+               {"filter": "mlp", "value": [1, 0.5, 0]}, {"value": 0.3}]}, slices=True),
+    # tensors outside the layers: embeddings, final norm and head all at t = 0 (the first value)
+    SlerpCase("slerp (t gradient [0, 1], no filter)", "slerp", {"method": "slerp", "t": [0, 1]},
+              {"t": [0, 1]}),
+    # mergekit's filter is a substring: "norm" also selects self_attn.q_norm / k_norm
+    SlerpCase("slerp (Qwen3, filter norm: q_norm, k_norm too)", "slerp", {
+        "method": "slerp", "t": 0.3, "overrides": [{"tensors": ["norm"], "t": [1, 0.2]}]},
+        {"t": [{"filter": "norm", "value": [1, 0.2]}, {"value": 0.3}]}, family="qwen3"),
     SliceCase("passthrough (slices 3 + 3 layers)", "passthrough", {"method": "passthrough"}),
 ]
 RANDOM_CASES = [
@@ -150,7 +162,8 @@ def markdown(meta: dict, exact: list[dict], randoms: list[dict]) -> str:
         "",
         f"`python benchmarks/mergekit_parity.py`: mergekit {meta['mergekit']}, torch "
         f"{meta['torch']}, a random Llama (hidden {meta['hidden']}, {meta['layers']} layers, "
-        f"{meta['params'] / 1e6:.1f}M parameters, float32) and three copies with N(0, 0.01²) "
+        f"{meta['params'] / 1e6:.1f}M parameters, float32; a Qwen3 of the same shape where the "
+        "row says so) and three copies with N(0, 0.01²) "
         "noise; weights 1, 0.6, 1.4 where the method takes weights. max |Δ| is over every "
         "tensor of the output. *With options*: the moemerge recipe sets the options in the "
         "third column, which switch its conventions to mergekit's; *defaults*: the same recipe "
@@ -200,4 +213,9 @@ vector (first model) has two equal magnitudes at the lower cut-off (checked): mo
 both. Random N(0, 0.01²) float32 noise has such ties rarely; quantised weights have many.
 Random methods: the statistics agree to the sampling noise, and the cosine between the two
 tools' merges equals that between two moemerge seeds: the tools differ only by the draw.
+Gradients: the `t: [0, 1]` row covers the tensors outside the layers, which mergekit 0.1 takes
+at the gradient's first value, the final norm and head too (mergekit 0.0.6 took those two at
+the last value; with it this row would differ by the distance between the models, ~0.06). The
+Qwen3 row: mergekit's `norm` filter, a name substring, also selects `self_attn.q_norm` and
+`k_norm`; the recipe's `tensors: [norm]` override selects the same tensors.
 """

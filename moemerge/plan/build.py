@@ -46,7 +46,7 @@ def merge_job(
     """Output tensor `output` (default `name`) from the tensors `name` of the models `merged`;
     `num_layers` places `layer` on per-layer gradients."""
     output = output or name
-    params = resolve_merge(spec, role, layer, num_layers)
+    params = resolve_merge(spec, role, layer, num_layers, tensor=output)
     if params.method == "base":
         return Job(output, shape, dtype, "copy", role, layer, (Source(base, name),))
     if len(merged) == 1 and params.method in ("average", "passthrough"):

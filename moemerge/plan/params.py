@@ -48,8 +48,8 @@ def at_layer(value: object, index: int | None, count: int | None) -> object:
     """A per-layer gradient (a list) evaluated at layer `index` of `count` (the model's layers,
     or a slice's): the values are spread evenly from the first layer (fraction 0) to the last
     (fraction 1) and interpolated linearly; tensors outside the layers (embeddings, final
-    norm, head) take fraction 0 and a one-layer slice fraction 1 (mergekit's rules). A scalar
-    is returned as is."""
+    norm, head) take fraction 0 and a one-layer slice fraction 1 (mergekit 0.1's rules; its
+    0.0.6 took the final norm and head at fraction 1). A scalar is returned as is."""
     if not isinstance(value, list):
         return value
     if len(value) == 1:
@@ -66,17 +66,17 @@ def at_layer(value: object, index: int | None, count: int | None) -> object:
 
 def resolve_merge(spec: MergeSpec, role: str, layer: int | None,
                   num_layers: int | None = None, *,
-                  at: tuple[int | None, int | None] | None = None) -> ResolvedMerge:
-    """Start from the spec's top-level fields, then apply matching overrides in order; then
-    the method's defaults for what is still unset. Gradients are evaluated at `at` = (index,
-    count) when given (a layer of a slice), else at (layer, num_layers)."""
+                  at: tuple[int | None, int | None] | None = None,
+                  tensor: str | None = None) -> ResolvedMerge:
+    """Start from the spec's top-level fields, then apply the overrides that select this
+    tensor (`tensor`: the output tensor's name) in order; then the method's defaults for what is
+    still unset. Gradients are evaluated at `at` = (index, count) when given (a layer of a
+    slice), else at (layer, num_layers)."""
     index, count = at if at is not None else (layer, num_layers)
     method = spec.method
     given = {name: getattr(spec, field) for name, field in param_fields().items()}
     for override in spec.overrides:
-        if override.roles is not None and role not in override.roles:
-            continue
-        if override.layers is not None and layer not in override.layers:
+        if not override.selects(role, layer, tensor):
             continue
         method = override.method or method
         for name, field in param_fields().items():

@@ -28,7 +28,7 @@ def _job(output: str, role: str, layer: int | None, shape, dtype, recipe: MergeR
          sources: list[tuple[int, str, float]], base: int | None, at: tuple[int, int]) -> Job:
     """One output tensor from (model index, tensor name, weight) sources; `at` = (index,
     count) of the layer in its slice, for per-layer gradients."""
-    params = resolve_merge(recipe.merge, role, layer, at=at)
+    params = resolve_merge(recipe.merge, role, layer, at=at, tensor=output)
     # the base's tensor is read at the first source's layer
     base_source = Source(base, sources[0][1]) if base is not None else None
     if params.method == "base":

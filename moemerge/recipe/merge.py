@@ -9,7 +9,7 @@ evenly from the first layer to the last, interpolated linearly).
 from __future__ import annotations
 
 from functools import cache
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
@@ -83,16 +83,28 @@ def _unused(method: str, given: set[str]) -> str | None:
 
 
 class Override(MergeParams):
-    """Parameters for the tensors of some roles and/or layers (later overrides win)."""
+    """Parameters for the tensors of some roles, layers and/or names (later overrides win)."""
 
     roles: list[Role] | None = None
     layers: list[int] | None = Field(default=None, description="Layer indices; None = all.")
+    tensors: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        default=None, min_length=1, description="Substrings of the output tensor's name "
+        "(mergekit's `filter`): the override applies to a tensor whose name contains one.")
 
     @model_validator(mode="after")
     def _selects_something(self) -> Override:
-        if self.roles is None and self.layers is None:
-            raise ValueError("an override needs `roles` and/or `layers` to say what it applies to")
+        if self.roles is None and self.layers is None and self.tensors is None:
+            raise ValueError("an override needs `roles`, `layers` and/or `tensors` to say what "
+                             "it applies to")
         return self
+
+    def selects(self, role: str, layer: int | None, name: str | None) -> bool:
+        """Whether this override applies to tensor `name` of `role` in `layer` (every selector
+        given must match)."""
+        return ((self.roles is None or role in self.roles)
+                and (self.layers is None or layer in self.layers)
+                and (self.tensors is None or (name is not None
+                                              and any(t in name for t in self.tensors))))
 
 
 class MergeSpec(MergeParams):

@@ -61,14 +61,16 @@ def test_ties_with_role_override_matches_the_functions(trio, tmp_path):
 
 def test_slerp_gradient_over_the_layers(trio, tmp_path):
     # two layers: t = [0, 1] gives layer 0 the first model and layer 1 the second; tensors
-    # outside the layers take the gradient's first value (mergekit's rule); the attn override
-    # holds t at 0.5 there
+    # outside the layers, the final norm and head too, take the gradient's first value (mergekit
+    # 0.1's plan_module reads them all at t = 0; mergekit <= 0.0.6 read the final norm and
+    # head at t = 1); the attn override holds t at 0.5 there
     base, models = trio
     out = merged(tmp_path, f"kind: merge\nmodels: [{models[0]}, {models[1]}]\n"
                            "merge:\n  method: slerp\n  t: [0, 1]\n"
                            "  overrides: [{roles: [attn], layers: [1], t: 0.5}]\n")
     first, second = (load_file(p / "model.safetensors") for p in models)
-    for name in ("model.layers.0.mlp.up_proj.weight", "model.embed_tokens.weight"):
+    for name in ("model.layers.0.mlp.up_proj.weight", "model.embed_tokens.weight",
+                 "model.norm.weight", "lm_head.weight"):
         torch.testing.assert_close(out[name], first[name], atol=1e-6, rtol=0)
     torch.testing.assert_close(out["model.layers.1.mlp.up_proj.weight"],
                                second["model.layers.1.mlp.up_proj.weight"], atol=1e-6, rtol=0)
@@ -112,7 +114,7 @@ def test_passthrough_slices_stack_layers(trio, tmp_path):
 
 def test_slices_with_several_sources_merge_layer_by_layer(trio, tmp_path):
     # one slice, slerp of A's layers [0, 2) with B's; the gradient runs over the slice:
-    # layer 0 at t 0 (A's), layer 1 at t 1 (B's)
+    # layer 0 at t 0 (A's), layer 1 at t 1 (B's); embeddings, final norm and head at t 0
     base, models = trio
     out = merged(tmp_path, "kind: merge\nslices:\n  - sources:\n"
                            f"      - {{model: {models[0]}, layers: [0, 2]}}\n"
@@ -122,6 +124,8 @@ def test_slices_with_several_sources_merge_layer_by_layer(trio, tmp_path):
     name = "model.layers.{}.mlp.down_proj.weight"
     torch.testing.assert_close(out[name.format(0)], a[name.format(0)], atol=1e-6, rtol=0)
     torch.testing.assert_close(out[name.format(1)], b[name.format(1)], atol=1e-6, rtol=0)
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        torch.testing.assert_close(out[name], a[name], atol=1e-6, rtol=0)
 
 
 def test_slices_past_the_last_layer_are_refused(trio, tmp_path):

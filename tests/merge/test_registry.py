@@ -11,7 +11,7 @@ from moemerge.cli import app
 from moemerge.merge.reference import BEGIN, END, markdown
 from moemerge.merge.registry import METHOD_NAMES, REGISTRY, all_params
 from moemerge.recipe import parse_recipe, recipe_errors
-from moemerge.recipe.merge import MergeSpec, param_fields
+from moemerge.recipe.merge import param_fields
 from moemerge.tune.search import TUNABLE_METHODS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,10 +33,49 @@ def test_a_parameter_name_means_one_thing_everywhere():
                 shared.kind, shared.low, shared.high, shared.low_closed, shared.high_open), p.name
 
 
-def test_the_schema_has_one_field_per_parameter_and_every_method():
-    fields = set(MergeSpec.model_fields)
-    assert set(param_fields().values()) <= fields
-    assert MergeSpec.model_fields["method"].annotation.__args__ == METHOD_NAMES
+# every method's parameters, written out by hand, each with a valid value other than its default
+PARAMETERS = {
+    "base": {}, "average": {},
+    "task_arithmetic": {"lambda": 0.5, "normalize": False},
+    "ties": {"density": 0.5, "lambda": 0.5, "trim_rounding": "floor", "normalize": False,
+             "zero_vote": "positive", "consensus": "count"},
+    "dare_linear": {"density": 0.5, "lambda": 0.5, "normalize": False, "rescale": "l1"},
+    "dare_ties": {"density": 0.5, "lambda": 0.5, "rescale": "none", "normalize": False,
+                  "zero_vote": "positive", "consensus": "count"},
+    "breadcrumbs": {"density": 0.8, "gamma": 0.05, "lambda": 0.5, "normalize": False,
+                    "trim_rounding": "floor"},
+    "breadcrumbs_ties": {"density": 0.8, "gamma": 0.05, "lambda": 0.5, "trim_rounding": "floor",
+                         "normalize": False, "zero_vote": "positive", "consensus": "count"},
+    "della": {"density": 0.5, "epsilon": 0.1, "lambda": 0.5, "rescale": "l1", "normalize": False,
+              "zero_vote": "positive", "consensus": "count"},
+    "della_linear": {"density": 0.5, "epsilon": 0.1, "lambda": 0.5, "normalize": False,
+                     "rescale": "none"},
+    "sce": {"select_topk": 0.5, "lambda": 0.5, "zero_vote": "positive"},
+    "slerp": {"t": 0.25},
+    "multislerp": {"normalize": False},
+    "karcher": {"max_iter": 3, "tol": 1e-3},
+    "model_stock": {"filter_wise": True},
+    "passthrough": {},
+}
+
+
+def test_every_method_and_parameter_is_in_the_schema():
+    assert set(PARAMETERS) == set(METHOD_NAMES)
+    for method, params in PARAMETERS.items():
+        assert {p.name for p in REGISTRY[method].params} == set(params), method
+        models = ["x"] if method == "passthrough" else ["x", "y"]
+        recipe = parse_recipe({**DENSE, "models": models, "merge": {"method": method, **params}})
+        assert recipe.merge.method == method
+        for name, value in params.items():  # each value arrives under its own field
+            assert getattr(recipe.merge, param_fields()[name]) == value, (method, name)
+
+
+def test_an_unknown_parameter_is_refused_by_name():
+    errors = recipe_errors({**DENSE, "merge": {"method": "ties", "densty": 0.5}})
+    assert any("densty" in e for e in errors), errors
+    errors = recipe_errors({**DENSE, "merge": {"method": "ties", "overrides": [
+        {"roles": ["attn"], "lamda": 0.5}]}})
+    assert any("lamda" in e for e in errors), errors
 
 
 def test_the_recipe_layer_imports_no_torch():
@@ -45,9 +84,16 @@ def test_the_recipe_layer_imports_no_torch():
     assert run.stdout.strip() == "False"
 
 
-def test_tunable_methods_come_from_the_registry():
-    assert set(TUNABLE_METHODS) == {m.name for m in REGISTRY.values() if "lambda" in m.tunable}
-    assert {"ties", "della", "breadcrumbs", "sce"} <= set(TUNABLE_METHODS)
+def test_tunable_parameters_per_method():
+    with_density = {"ties", "dare_linear", "dare_ties", "breadcrumbs", "breadcrumbs_ties",
+                    "della", "della_linear"}
+    expected = {m: ("density", "lambda") if m in with_density else ("lambda",)
+                for m in with_density | {"task_arithmetic", "sce"}}
+    assert {m: tuple(sorted(s.tunable)) for m, s in REGISTRY.items() if s.tunable} == expected
+    assert set(TUNABLE_METHODS) == set(expected)
+    help_text = CliRunner().invoke(app, ["build", "--help"], terminal_width=400).output
+    assert "Tunable methods: " + ", ".join(sorted(expected, key=METHOD_NAMES.index)) in (
+        " ".join(help_text.replace("│", " ").split()))
 
 
 @pytest.mark.parametrize("merge, message", [

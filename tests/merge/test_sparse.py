@@ -74,6 +74,31 @@ def test_della_with_zero_epsilon_is_dare():
     torch.testing.assert_close(out, expected, atol=1e-7, rtol=0)
 
 
+def test_della_end_to_end_by_hand():
+    # density .5, epsilon .2: p = .3 + .4 · rank, ranks by |τ| within the tensor
+    #   |A| = 1 2 3 .5 4  -> ranks .25 .5 .75 0 1 -> p = .4 .5 .6 .3 .7
+    #   |B| = 1 .1 2 3 .2 -> ranks .5 0 .75 1 .25 -> p = .5 .3 .6 .7 .4
+    pa, pb = T([0.4, 0.5, 0.6, 0.3, 0.7]), T([0.5, 0.3, 0.6, 0.7, 0.4])
+    gen = generator_for(3, "t")  # one generator per output tensor: A's draw, then B's
+    ua, ub = torch.rand(5, generator=gen), torch.rand(5, generator=gen)
+    assert (ua < pa).tolist() == [False, True, False, False, True]  # the draws of this seed
+    assert (ub < pb).tolist() == [True, False, True, True, True]
+    # survivors / p: A' = [0, -2/.5, 0, 0, 4/.7], B' = [-1/.5, 0, 2/.6, -3/.7, .2/.4]
+    a_kept, b_kept = T([0.0, -4.0, 0.0, 0.0, 40 / 7]), T([-2.0, 0.0, 10 / 3, -30 / 7, 0.5])
+    base = T([1.0, -1.0, 0.5, 2.0, 0.0])
+    out = merge("della", base=base, tensors=[base + A, base + B], weights=[1.0, 2.0],
+                density=0.5, epsilon=0.2, lam=0.5, generator=generator_for(3, "t"))
+    # elected signs of 1·A' + 2·B' = [-4, -4, 20/3, -60/7, 47/7]: - - + - +; disjoint weighted
+    # mean of the agreeing nonzero entries: only entry 4 has both, (1·40/7 + 2·.5) / 3 = 47/21
+    merged = T([-2.0, -4.0, 10 / 3, -30 / 7, 47 / 21])
+    torch.testing.assert_close(out, base + 0.5 * merged, atol=1e-6, rtol=0)
+    # della_linear: the weighted mean (1·A' + 2·B') / 3, no election
+    out = merge("della_linear", base=base, tensors=[base + A, base + B], weights=[1.0, 2.0],
+                density=0.5, epsilon=0.2, lam=0.5, generator=generator_for(3, "t"))
+    assert torch.allclose((a_kept + 2 * b_kept) / 3, T([-4 / 3, -4 / 3, 20 / 9, -20 / 7, 47 / 21]))
+    torch.testing.assert_close(out, base + 0.5 * (a_kept + 2 * b_kept) / 3, atol=1e-6, rtol=0)
+
+
 def test_della_refuses_probabilities_outside_0_1():
     try:
         magprune(T([1.0, 2.0]), 0.9, 0.15, generator_for(0, "x"))

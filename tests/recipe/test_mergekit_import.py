@@ -158,9 +158,9 @@ def test_linear_carries_weights_and_dtype():
 def test_slerp_filters_become_overrides_in_reverse_order_and_base_goes_first():
     r = imported(SLERP).recipe
     assert r["merge"]["t"] == 0.5 and r["merge"]["method"] == "slerp"
-    # mergekit: first match wins; moemerge: last override wins
-    assert r["merge"]["overrides"] == [{"roles": ["ffn"], "t": [1, 0.5, 0.7, 0.3, 0]},
-                                       {"roles": ["attn"], "t": [0, 0.5, 0.3, 0.7, 1]}]
+    # the same tensor-name substrings; mergekit: first match wins; moemerge: last override wins
+    assert r["merge"]["overrides"] == [{"tensors": ["mlp"], "t": [1, 0.5, 0.7, 0.3, 0]},
+                                       {"tensors": ["self_attn"], "t": [0, 0.5, 0.3, 0.7, 1]}]
     sources = r["slices"][0]["sources"]
     assert sources[0]["model"] == "OpenPipe/mistral-ft-optimized-1218"
     assert "base_model" not in r
@@ -202,6 +202,68 @@ def test_revision_syntax():
     assert r["models"][0] == {"model": "org/m", "revision": "v2", "weight": 1.0}
 
 
+def test_any_filter_selects_the_same_tensors_by_name():
+    # "norm" also matches Qwen3's self_attn.q_norm / k_norm (moemerge's role attn); "q_proj" and
+    # "layernorm" match no whole role: name substrings select exactly mergekit's tensors
+    text = SLERP.replace("filter: self_attn", "filter: norm").replace("filter: mlp",
+                                                                      "filter: q_proj")
+    overrides = imported(text).recipe["merge"]["overrides"]
+    assert [o["tensors"] for o in overrides] == [["q_proj"], ["norm"]]
+    text = SLERP.replace("- filter: mlp", "- filter: '*'")  # mergekit's match-all
+    assert imported(text).recipe["merge"]["t"] == [1, 0.5, 0.7, 0.3, 0]
+
+
+def test_mergekits_per_model_defaults_are_written():
+    # mergekit's density defaults to 1 (moemerge's to 0.7 or 0.9): a config without it keeps
+    # every entry in mergekit, and so in the recipe
+    no_density = TIES.replace("density: 0.5, ", "")
+    assert imported(no_density).recipe["merge"]["density"] == 1.0
+    crumbs = imported(BREADCRUMBS.replace("density: 0.9, gamma: 0.01", "weight: 1"))
+    assert (crumbs.recipe["merge"]["density"], crumbs.recipe["merge"]["gamma"]) == (1.0, 0.01)
+    della = imported(DELLA.replace("density: 0.6, epsilon: 0.2", "weight: 1")).recipe["merge"]
+    assert (della["density"], della["epsilon"]) == (1.0, 0.15)
+
+
+def test_per_model_parameters_resolve_as_in_mergekit():
+    # a model's own value, else the global one, else the default: carried when all agree
+    one_own = TIES.replace("density: 0.5, weight: 0.5}\n  - model: b", "weight: 0.5}\n  - model: b")
+    r = imported(one_own.replace("{normalize: true}", "{normalize: true, density: 0.5}")).recipe
+    assert r["merge"]["density"] == 0.5
+    with pytest.raises(RecipeError, match=r"models.2.parameters.density: 0.5 where models.1 has "
+                                          r"1.0; moemerge applies one density to every model"):
+        imported(one_own)
+    # the same gradient for every model is a moemerge gradient
+    same = TIES.replace("density: 0.5", "density: [0.2, 0.8]")
+    assert imported(same).recipe["merge"]["density"] == [0.2, 0.8]
+    # a model's filters without a catch-all fall through to the global value, then the default
+    filtered = TIES.replace("density: 0.5", "density: [{filter: mlp, value: 0.3}]")
+    merge = imported(filtered).recipe["merge"]
+    assert merge["density"] == 1.0 and merge["overrides"] == [{"tensors": ["mlp"],
+                                                               "density": 0.3}]
+    # the base's parameters are unused by mergekit's task-vector methods
+    base_density = imported(TIES.replace("- model: base/model",
+                                         "- model: base/model\n    parameters: {density: 0.1}"))
+    assert base_density.recipe["merge"]["density"] == 0.5
+    assert any("models.0.parameters: not carried" in n for n in base_density.notes)
+    # a parameter the method does not take is ignored by mergekit: noted, not carried
+    crumbs = imported(TASK_ARITHMETIC.replace("lambda: 0.8", "lambda: 0.8, gamma: 0.8"))
+    assert "gamma" not in crumbs.recipe["merge"]
+    assert any("parameters.gamma: not carried" in n for n in crumbs.notes)
+
+
+SLICED_TIES = """
+slices:
+  - sources:
+      - {model: a/x, layer_range: [0, 2], parameters: {density: 0.5, weight: 1}}
+      - {model: b/y, layer_range: [0, 2], parameters: {density: 0.5, weight: 1}}
+  - sources:
+      - {model: a/x, layer_range: [2, 4], parameters: {density: 0.3, weight: 1}}
+      - {model: b/y, layer_range: [2, 4], parameters: {density: 0.3, weight: 1}}
+merge_method: ties
+base_model: base/model
+"""
+
+
 TIES_GRADIENTS = """
 models:
   - model: psmathur/orca_mini_v3_13b
@@ -214,18 +276,23 @@ base_model: TheBloke/Llama-2-13B-fp16
 
 
 @pytest.mark.parametrize("text, message", [
-    (TIES_GRADIENTS, "a filtered or per-layer per-model value cannot be imported"),
+    (TIES_GRADIENTS, "models.1.parameters.weight: a filtered or per-layer weight cannot"),
+    (TIES_GRADIENTS.replace("weight: [0, 0.3, 0.7, 1]", "weight: 1"),
+     "models.1.parameters.density: 0.5 where models.0 has [1, 0.7, 0.1]"),
     (TIES.replace("density: 0.5, weight: 0.5}\n  - model: b",
-                  "density: 0.4, weight: 0.5}\n  - model: b"), "differs from another model's"),
+                  "density: 0.4, weight: 0.5}\n  - model: b"),
+     "models.2.parameters.density: 0.5 where models.1 has 0.4"),
+    (SLICED_TIES, "slices.1.sources.0.parameters.density: 0.3 where slices.0.sources.0 has 0.5"),
+    (SLICED_TIES.replace("density: 0.3", "density: [{filter: mlp, value: 0.3}]"),
+     "a filtered per-source setting cannot be imported"),
     (LINEAR.replace("merge_method: linear", "merge_method: nuslerp"), "'nuslerp' cannot be"),
     (LINEAR.replace("psmathur/orca_mini_v3_13b", "a/b+lora/x"), "LoRA"),
-    (SLERP.replace("filter: mlp", "filter: q_proj"), "filter 'q_proj' matches no moemerge"),
     (LINEAR + "tokenizer_source: union\n", "'union' builds a new vocabulary"),
     (LINEAR + "modules: {text: {}}\n", "modules: per-module configs"),
     (LINEAR + "sliced: true\n", "sliced: not a mergekit-yaml key"),
     (TASK_ARITHMETIC.replace("lambda: 0.8", "t: 0.8"), "task_arithmetic in moemerge takes no 't'"),
-    (TASK_ARITHMETIC.replace("lambda: 0.8", "gamma: 0.8"), "gamma: not a parameter of task_ari"),
-    (MOE + "shared_experts: [{source_model: x}]\n", "shared_experts"),
+    (MOE + "shared_experts: [{source_model: x}]\n",
+     "shared_experts: cannot be imported: a moemerge recipe has no shared expert"),
     (MOE.replace("gate_mode: hidden", "gate_mode: uniform_random"), "uniform_random"),
     (MOE.replace('positive_prompts: ["math"]', 'noise_scale: 0.1\n    positive_prompts: [m]'),
      "noise_scale"),

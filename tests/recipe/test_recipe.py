@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from moemerge.errors import RecipeError
+from moemerge.plan.params import resolve_merge
 from moemerge.recipe.load import load_recipe, parse_recipe, recipe_errors
 from moemerge.recipe.models import MergeRecipe, MoERecipe
 from moemerge.recipe.sequence import BridgedRecipe, SeqRoutedRecipe
@@ -36,6 +37,19 @@ def test_lambda_alias_and_overrides():
     assert recipe.merge.lam == 0.5 and recipe.merge.overrides[0].roles == ["embed"]
 
 
+def test_overrides_select_by_tensor_name_substring():
+    spec = parse_recipe({"kind": "merge", "models": ["x", "y"], "merge": {
+        "method": "slerp", "t": 0.5, "overrides": [
+            {"tensors": ["norm"], "t": 0.1}, {"tensors": ["q_norm", "k_norm"], "roles": ["norm"],
+                                               "t": 0.9}]}}).merge
+    q_norm = "model.layers.0.self_attn.q_norm.weight"  # role attn, but its name holds "norm"
+    assert resolve_merge(spec, "attn", 0, 2, tensor=q_norm).get("t") == 0.1
+    assert resolve_merge(spec, "attn", 0, 2, tensor=q_norm.replace("norm", "proj")).get("t") == 0.5
+    assert resolve_merge(spec, "norm", None, 2, tensor="model.norm.weight").get("t") == 0.1
+    assert resolve_merge(spec, "norm", 1, 2, tensor="x.k_norm.y").get("t") == 0.9  # both match
+    assert resolve_merge(spec, "norm", None, 2).get("t") == 0.5  # no name: no tensors override
+
+
 def test_every_error_reported_at_once_with_field_names():
     errors = recipe_errors({
         **MOE, "experts_per_tokn": 2, "merge": {"method": "ties", "density": 1.5},
@@ -54,6 +68,8 @@ def test_every_error_reported_at_once_with_field_names():
     ({"experts_per_token": 3}, "experts_per_token"),
     ({"merge": {"overrides": [{"roles": ["ffn"], "method": "ties"}]}}, "merge.overrides"),
     ({"merge": {"overrides": [{"method": "ties"}]}}, "merge.overrides.0"),
+    ({"merge": {"overrides": [{"tensors": [""], "method": "ties"}]}}, "merge.overrides.0.tensors"),
+    ({"merge": {"overrides": [{"tensors": [], "method": "ties"}]}}, "merge.overrides.0.tensors"),
     ({"router": {"init": "prompts"}}, "router.init"),
     ({"merge": {"density": 0}}, "merge.density"),
 ])

@@ -20,8 +20,10 @@ def convert_moe(data: dict, notes: list[str]) -> dict:
     if unknown:
         raise RecipeError(f"{', '.join(unknown)}: not a mergekit-moe key moemerge knows")
     if data.get("shared_experts"):
-        raise RecipeError("shared_experts: moemerge writes Qwen2-MoE's shared expert as zeros "
-                          "and has no shared experts from models; it cannot import them")
+        raise RecipeError("shared_experts: cannot be imported: a moemerge recipe has no shared "
+                          "expert taken from a model (its Qwen2-MoE output's shared expert is "
+                          "zeros) nor mergekit-moe's prompt-based shared_expert_gate; dropping "
+                          "it would build a different model (docs/mergekit.md)")
     if data.get("architecture") not in ARCHITECTURES:
         raise RecipeError(f"architecture: {data['architecture']!r} cannot be imported; moemerge "
                           "writes Mixtral (Llama / Mistral sources) or Qwen MoEs (Qwen sources)")

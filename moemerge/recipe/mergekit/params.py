@@ -1,6 +1,7 @@
 """mergekit parameters in moemerge's terms: method names, the conventions that make a moemerge
 merge equal to mergekit's, model references, and parameter settings (scalars, per-layer
-gradients, and `filter` conditions, which become `merge.overrides` per role)."""
+gradients, and `filter` conditions, which become `merge.overrides` selecting `tensors` by the
+same name substring)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,10 @@ MERGEKIT_NORMALIZE = {"task_arithmetic": False, "dare_linear": False, "dare_ties
                       "breadcrumbs": False, "breadcrumbs_ties": False, "della_linear": False}
 RENAMED = {"normalize_weights": "normalize"}  # mergekit name -> moemerge name
 DROPPED = {"int8_mask": "a memory option of mergekit (moemerge computes in float32)"}
-# a mergekit `filter` is a substring of the tensor name; these map onto moemerge's roles
-# exactly (e.g. "layernorm" is refused: it matches the layers' norms but not the final one)
-FILTER_ROLES = {"self_attn": ["attn"], "attn": ["attn"], "mlp": ["ffn"],
-                "embed_tokens": ["embed"], "lm_head": ["lm_head"], "norm": ["norm"]}
+# mergekit's defaults of its per-model parameters (GeneralizedTaskArithmeticMerge); moemerge's
+# differ (density 0.7 or 0.9), so the importer always writes them
+PER_MODEL_DEFAULTS = {"density": 1.0, "gamma": 0.01, "epsilon": 0.15}
+ANY = (None, "*", "")  # filters that match every tensor ("" is a substring of every name)
 
 
 def moemerge_method(name: str) -> str:
@@ -69,24 +70,57 @@ def model_ref(value) -> dict:
     return {"model": text}
 
 
-def setting(name: str, value, where: str) -> tuple[object, list[tuple[list[str], object]]]:
-    """(value for tensors no filter matches, [(roles, value)] for filtered ones, mergekit order:
-    the first match wins). A filter-less condition ends the list (later ones never match)."""
-    if not isinstance(value, list) or not any(isinstance(v, dict) for v in value):
-        return _scalar(value, where), []
-    default, filtered = None, []
-    for cond in value:
-        if not isinstance(cond, dict):
+def conditions(value, where: str) -> list[dict]:
+    """A mergekit parameter setting (a scalar, a gradient, one `{filter, value}` condition or a
+    list of them) as a list of conditions; [] when absent."""
+    if value is None:
+        return []
+    if isinstance(value, dict):
+        value = [value]
+    if isinstance(value, list) and any(isinstance(v, dict) for v in value):
+        if not all(isinstance(v, dict) for v in value):
             raise RecipeError(f"{where}: mixes conditions and plain values")
+        return [dict(v) for v in value]
+    return [{"value": value}]
+
+
+def chain(*scopes: list[dict]) -> list[dict]:
+    """mergekit's precedence for one tensor: the conditions of each scope in turn (a model's
+    own, then the global `parameters`, then the default), first match wins; a scope whose
+    filters all miss falls through to the next. Ends at the first filter-less condition."""
+    out: list[dict] = []
+    for scope in scopes:
+        for cond in scope:
+            out.append(cond)
+            if cond.get("filter") in ANY:
+                return out
+    return out
+
+
+def is_filtered(conds: list[dict]) -> bool:
+    return any(c.get("filter") not in ANY for c in conds)
+
+
+def shown(conds: list[dict]) -> object:
+    """A setting as the user wrote it, for messages: a lone value, else the conditions."""
+    return conds[0]["value"] if len(conds) == 1 and not is_filtered(conds) else conds
+
+
+def carry(merge: dict, name: str, conds: list[dict], where: str) -> None:
+    """Write a setting into the `merge` block: the filter-less value at the top, each filter as
+    an override selecting tensors by that name substring (mergekit's filter, exactly), in
+    reverse order: mergekit's first match wins, moemerge's last override."""
+    filtered = []
+    for cond in conds:
         flt = cond.get("filter")
-        if flt in (None, "*"):
-            default = _scalar(cond.get("value"), where)
+        if flt in ANY:
+            merge[name] = _scalar(cond.get("value"), where)
             break
-        if flt not in FILTER_ROLES:
-            raise RecipeError(f"{where}: filter {flt!r} matches no moemerge role; importable "
-                              f"filters: {', '.join(FILTER_ROLES)}")
-        filtered.append((FILTER_ROLES[flt], _scalar(cond.get("value"), where)))
-    return default, filtered
+        if not isinstance(flt, str):
+            raise RecipeError(f"{where}: filter {flt!r} is not a tensor-name substring")
+        filtered.append({"tensors": [flt], name: _scalar(cond.get("value"), where)})
+    if filtered:
+        merge.setdefault("overrides", []).extend(reversed(filtered))
 
 
 def _scalar(value, where: str):
@@ -96,8 +130,3 @@ def _scalar(value, where: str):
                               "imported")
         return [float(v) for v in value]
     return value
-
-
-def as_overrides(name: str, filtered: list[tuple[list[str], object]]) -> list[dict]:
-    """mergekit's first match wins, moemerge's last override wins: reverse the order."""
-    return [{"roles": roles, name: value} for roles, value in reversed(filtered)]
