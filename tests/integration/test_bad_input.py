@@ -140,6 +140,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(model_factory, tmp_path):
     assert code == 0, text
     assert "model.layers.1.block_sparse_moe.experts.1.w2.weight" in text
     assert "ties(lambda=0.5, density=0.7)" in text and "router init=random" in text
+    assert "estimated peak memory" in text and "output:" in text
     only_expected_entries(tmp_path, "recipe.yaml")
 
 
