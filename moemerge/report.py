@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.markup import escape
 from rich.table import Table
 
 from moemerge.plan.jobs import Plan
@@ -33,7 +34,7 @@ def plan_table(plan: Plan) -> Table:
     """Every output tensor in write order with its shape, dtype and how it is made."""
     table = Table(
         title=f"plan: {len(plan.jobs)} tensors, {human_bytes(plan.total_bytes)}, "
-        f"inputs: {', '.join(plan.labels)}",
+        f"inputs: {escape(', '.join(plan.labels))}",
         title_justify="left",
     )
     table.add_column("tensor", overflow="fold")
@@ -41,5 +42,5 @@ def plan_table(plan: Plan) -> Table:
     table.add_column("dtype")
     table.add_column("operation", overflow="fold")
     for row in _plan_rows(plan, "×"):
-        table.add_row(*row)
+        table.add_row(*map(escape, row))  # names and paths are the user's, not markup
     return table

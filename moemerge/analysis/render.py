@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from moemerge.analysis.task_vectors import GroupResult, TaskVectorReport
@@ -94,7 +95,7 @@ def tables(report: TaskVectorReport) -> tuple[Table, Table]:
         for i, h in enumerate(header):
             table.add_column(h, justify="left" if i < (1 if summary else 2) else "right")
         for row in rows:
-            table.add_row(*row)
+            table.add_row(*map(escape, row))
         out.append(table)
     return out[0], out[1]
 

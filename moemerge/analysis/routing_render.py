@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from moemerge.analysis.routing import RoutingReport
@@ -31,11 +32,11 @@ def summary_table(report: RoutingReport) -> Table:
     table = Table(title=_title(report, over), title_justify="left")
     table.add_column("domain")
     for label in report.labels:
-        table.add_column(label, justify="right")
+        table.add_column(escape(label), justify="right")
     table.add_column(_units(report), justify="right")
     table.add_column("perplexity", justify="right")
     for name, d in report.domains.items():
-        table.add_row(name, *_shares(d.mean_share), str(d.tokens), f"{d.perplexity:.2f}")
+        table.add_row(escape(name), *_shares(d.mean_share), str(d.tokens), f"{d.perplexity:.2f}")
     return table
 
 
@@ -45,7 +46,7 @@ def layer_table(report: RoutingReport) -> Table:
     table.add_column("domain")
     table.add_column("layer", justify="right")
     for label in report.labels:
-        table.add_column(label, justify="right")
+        table.add_column(escape(label), justify="right")
     for name, d in report.domains.items():
         for layer, row in zip(report.layers, d.share, strict=True):
             table.add_row(name, str(layer), *_shares(row))

@@ -15,6 +15,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from moemerge import __version__
 from moemerge.errors import MoemergeError, Terminated
@@ -42,13 +43,13 @@ def reports_errors(command: Callable) -> Callable:
         try:
             return command(*args, **kwargs)
         except MoemergeError as exc:
-            err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt as exc:
             err.print("[yellow]interrupted; no output was left behind[/]")
             raise typer.Exit(143 if isinstance(exc, Terminated) else 130) from None
         except OSError as exc:  # the machine's own refusal (permissions, a full disk, ...)
-            err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
         finally:
             _on_sigterm(previous)

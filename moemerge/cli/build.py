@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from moemerge.cli.app import app, err, out, reports_errors
 from moemerge.merge.registry import METHOD_SPECS
@@ -116,7 +117,7 @@ def build(
         else:
             print("\n".join(plan_lines(result.plan)))
         for note in result.plan.notes:
-            out.print(f"[yellow]note:[/] {note}")
+            out.print(f"[yellow]note:[/] {escape(note)}")
         if result.estimate is not None:
             err.print(f"output: {human_bytes(result.estimate.output_bytes)}; estimated peak "
                       f"memory: {human_bytes(result.estimate.peak_bytes)} above start-up "
@@ -124,7 +125,7 @@ def build(
         return
     size = result.plan.total_bytes / 2**20
     out.print(
-        f"[green]built[/] {output} ({len(result.plan.jobs)} tensors, {size:.1f} MiB; "
+        f"[green]built[/] {escape(str(output))} ({len(result.plan.jobs)} tensors, {size:.1f} MiB; "
         f"output check: {result.verified})"
     )
 
@@ -143,7 +144,7 @@ def _floats(option: str, text: str) -> tuple[float, ...]:
 
 
 def _print_warning(message: str) -> None:
-    err.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 def _print_candidate(c) -> None:
@@ -167,8 +168,8 @@ def validate(
             recipe = load_recipe(path)
         except RecipeError as exc:
             failed += 1
-            err.print(f"[bold red]invalid:[/] {exc}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]invalid:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         else:
-            out.print(f"[green]ok[/] {path} (kind: {recipe.kind})")
+            out.print(f"[green]ok[/] {escape(str(path))} (kind: {recipe.kind})")
     if failed:
         raise typer.Exit(2)

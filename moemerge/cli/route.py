@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from moemerge.cli.app import app, err, out, reports_errors
 
@@ -71,8 +72,8 @@ def route(
     for i, p in enumerate(report.prompts):
         preview = p.text.replace("\n", "⏎")
         preview = preview if len(preview) <= PREVIEW else preview[: PREVIEW - 1] + "…"
-        table.add_row(str(i), preview, str(p.tokens),
-                      ", ".join(f"{e['name']} ({e['weight']:.2f})" for e in p.experts))
+        table.add_row(str(i), escape(preview), str(p.tokens),
+                      escape(", ".join(f"{e['name']} ({e['weight']:.2f})" for e in p.experts)))
     console = err if json_path == "-" else out  # keep stdout pure JSON with --json -
     console.print(table)
     counts = {name: sum(p.experts[0]["name"] == name for p in report.prompts)

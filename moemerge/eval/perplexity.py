@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from rich.markup import escape
 from rich.table import Table
 
 from moemerge.errors import CheckpointError
@@ -150,11 +151,11 @@ def render_table(
     out = Table(title=title)
     out.add_column("model")
     for name in columns:
-        out.add_column(name, justify="right")
+        out.add_column(escape(name), justify="right")
     for label, values in rows.items():
         cells = [
             f"[bold green]{v:.2f}[/]" if highlight_best and v == best[i] else f"{v:.2f}"
             for i, v in enumerate(values)
         ]
-        out.add_row(label, *cells)
+        out.add_row(escape(label), *cells)
     return out

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 Evals = dict[str, dict[str, float]]
@@ -31,7 +32,7 @@ def eval_table(before: Evals, after: Evals | None = None, title: str = "held-out
             change = 100 * (a["ppl"] / b["ppl"] - 1)
             colour = "green" if change < 0 else "red"
             cells += [f"{a['loss']:.4f}", f"{a['ppl']:.2f}", f"[{colour}]{change:+.1f}%[/]"]
-        table.add_row(d, *cells)
+        table.add_row(escape(d), *cells)
     return table
 
 
