@@ -55,12 +55,15 @@ def test_no_shared_expert_keeps_identical_experts_parity(experts, k, model_facto
     torch.testing.assert_close(logits(out, IDS), logits(dense, IDS), atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("shared", ["base", "average"])
-def test_shared_expert_adds_its_gated_ffn_to_the_routed_mix(shared, model_factory, tmp_path):
+@pytest.mark.parametrize("shared,tied", [("base", False), ("average", False), ("base", True)])
+def test_shared_expert_adds_its_gated_ffn_to_the_routed_mix(shared, tied, model_factory,
+                                                            tmp_path):
     """Identical experts: routed mix = the dense FFN, so each layer's FFN must be
-    FFN(x) + sigmoid(g . x) FFN(x), computed here from the dense model's own modules."""
-    dense = model_factory("qwen2")
-    out, _ = build_qwen2(tmp_path, dense, shared)
+    FFN(x) + sigmoid(g . x) FFN(x), computed here from the dense model's own modules (tied:
+    a tied-embedding source with the base's FFN as a fourth expert)."""
+    dense = model_factory("qwen2", tie_word_embeddings=tied)
+    extra = {"include_base_expert": "true"} if tied else {}
+    out, _ = build_qwen2(tmp_path, dense, shared, **extra)
     written = tensors(out)
     reference = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
     config = json.loads((out / "config.json").read_text())
