@@ -170,7 +170,7 @@ def build(
             check=check_shared_vocabulary if isinstance(recipe, BridgedRecipe) else None,
         )
         plan = make_plan(recipe, models)
-        for message in _override_warnings(recipe, models):
+        for message in [*_override_warnings(recipe, models), *plan.notes]:
             warn(message)
         if dry_run or out is None:
             sizes = estimate(plan, lambda s: models[s.model].reader.meta(s.tensor).nbytes,

@@ -52,7 +52,8 @@ def dense_config(source: dict, dtype: torch.dtype) -> dict:
 
 
 def moe_config(
-    source: dict, layout: MoELayout, dtype: torch.dtype, *, num_experts: int, experts_per_token: int
+    source: dict, layout: MoELayout, dtype: torch.dtype, *, num_experts: int,
+    experts_per_token: int, shared_width: int = 1,
 ) -> dict:
     config = {"architectures": [layout.architecture], "model_type": layout.model_type}
     config.update({k: source[k] for k in COPIED if k in source})
@@ -63,15 +64,16 @@ def moe_config(
     if layout.model_type == "mixtral":
         config.update(num_local_experts=num_experts, router_aux_loss_coef=0.02,
                       router_jitter_noise=0.0)
-    else:  # Qwen MoEs: renormalised top-k matches Mixtral; every layer sparse
+    else:  # Qwen MoEs: renormalised top-k matches Mixtral (and keeps the identical-experts
+        # parity; llama.cpp's qwen2moe skips it: plan/shared.py warns); every layer sparse
         config.update(
             num_experts=num_experts, moe_intermediate_size=intermediate,
             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
             router_aux_loss_coef=0.001,
         )
     if layout.model_type == "qwen2_moe":
-        # the mandatory shared expert is written as zeros of width 1 (see moe.yaml)
-        config.update(shared_expert_intermediate_size=1, qkv_bias=True)
+        # the mandatory shared expert: zeros of width 1, or a whole FFN (plan/shared.py)
+        config.update(shared_expert_intermediate_size=shared_width, qkv_bias=True)
     return config
 
 

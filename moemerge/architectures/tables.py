@@ -62,10 +62,16 @@ class MoELayout:
     expert: str
     projections: dict[str, str]
     router: str
-    shared_expert: dict[str, list[str]] = field(default_factory=dict)
+    shared_expert: str | None = None  # the always-on expert's tensors, `{proj}` filled in
+    shared_expert_gate: str | None = None  # its sigmoid gate [1, H]
+    llama_cpp_renormalises_topk: bool = True
 
     def expert_name(self, layer: int, expert: int, proj: str) -> str:
         return self.expert.format(layer=layer, expert=expert, proj=self.projections[proj])
+
+    def shared_name(self, layer: int, proj: str) -> str:
+        assert self.shared_expert is not None, f"{self.name} has no shared expert"
+        return self.shared_expert.format(layer=layer, proj=self.projections[proj])
 
     def router_name(self, layer: int) -> str:
         return self.router.format(layer=layer)

@@ -68,7 +68,10 @@ def model_card(recipe, plan: Plan, recipe_text: str) -> str:
             *(f"| {i} | {name} | `{model}` |" for i, (name, model) in enumerate(experts)),
             "",
             f"Non-FFN tensors merged with `{recipe.merge.method}`; router init "
-            f"`{recipe.router.init}`.",
+            f"`{recipe.router.init}`"
+            + (f"; shared expert `{recipe.shared_expert}`." if "shared_expert_intermediate_size"
+               in plan.config else "."),
+            *(f"\n**Note:** {note}" for note in plan.notes),
         ]
     else:
         refs = ([recipe.base_model] if recipe.base_model else []) + recipe.inputs

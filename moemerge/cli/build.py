@@ -116,8 +116,6 @@ def build(
             out.print(plan_table(result.plan))
         else:
             print("\n".join(plan_lines(result.plan)))
-        for note in result.plan.notes:
-            out.print(f"[yellow]note:[/] {escape(note)}")
         if result.estimate is not None:
             err.print(f"output: {human_bytes(result.estimate.output_bytes)}; estimated peak "
                       f"memory: {human_bytes(result.estimate.peak_bytes)} above start-up "

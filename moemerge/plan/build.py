@@ -87,6 +87,13 @@ def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:
     """Branch-Train-Mix. models = [base] + experts; each expert's FFN becomes an MoE expert in
     every layer (the base's own FFN last when include_base_expert), the other tensors are merged
     across the experts, and a router is added to every layer."""
+    from moemerge.plan.shared import (  # shared.py builds on this module
+        check_shared_expert,
+        downstream_notes,
+        shared_expert_jobs,
+        shared_expert_width,
+    )
+
     base = models[0]
     layout = moe_layouts()[base.family.moe_target]
     dtype = output_dtype(recipe.output.dtype, base)
@@ -95,6 +102,7 @@ def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:
     weights = [e.weight for e in recipe.experts]
     hidden = base.config["hidden_size"]
     _refuse_unsupported_tensors(base, layout.name)
+    check_shared_expert(recipe, layout)
 
     jobs: list[Job] = []
     layers_done: set[int] = set()
@@ -106,7 +114,7 @@ def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:
                                   weights, 0, num_layers=base.config.get("num_hidden_layers")))
             continue
         layer = role.layer
-        if layer not in layers_done:  # the router and shared-expert stubs, once per layer
+        if layer not in layers_done:  # the router and the shared expert, once per layer
             layers_done.add(layer)
             gates = [n for n, r in base.roles.items() if r.layer == layer and r.proj == "gate"]
             reads = recipe.router.init == "task_vector"  # the other inits read no tensor
@@ -115,19 +123,19 @@ def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:
                 layer, sources=tuple(Source(m, gates[0]) for m in ffn_owners) if reads else (),
                 base=Source(0, gates[0]) if reads else None, router_init=recipe.router.init,
             ))
-            for pattern, dims in layout.shared_expert.items():
-                shape_ = tuple({"hidden": hidden, "shared": 1}.get(d, d) for d in dims)
-                jobs.append(Job(pattern.format(layer=layer), shape_, dtype, "zeros", "ffn", layer))
+            jobs += shared_expert_jobs(recipe, layout, base, layer, dtype, experts)
         for index, owner in enumerate(ffn_owners):
             jobs.append(Job(
                 layout.expert_name(layer, index, role.proj), shape, dtype, "copy", "ffn", layer,
                 (Source(owner, name),),
             ))
     config = moe_config(
-        base.config, layout, dtype,
-        num_experts=len(ffn_owners), experts_per_token=recipe.experts_per_token,
+        base.config, layout, dtype, num_experts=len(ffn_owners),
+        experts_per_token=recipe.experts_per_token,
+        shared_width=shared_expert_width(recipe, base),
     )
-    return Plan([m.label for m in models], jobs, config)
+    return Plan([m.label for m in models], jobs, config,
+                notes=downstream_notes(recipe, layout, len(ffn_owners)))
 
 
 def _refuse_unsupported_tensors(base: SourceModel, target: str) -> None:

@@ -62,7 +62,7 @@ class Plan:
     labels: list[str]
     jobs: list[Job]
     config: dict
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # build warns each; the model card lists them
 
     @property
     def total_bytes(self) -> int:

@@ -126,6 +126,11 @@ class MoERecipe(_RecipeBase):
         default=False, description="Add the base model's own FFN as one more expert."
     )
     experts_per_token: int = Field(default=2, ge=1)
+    shared_expert: Literal["none", "base", "average"] = Field(
+        default="none",
+        description="The always-on shared expert of layouts that have one (Qwen2-MoE): the "
+        "base's FFN, the experts' FFN average, or none (zeros).",
+    )
     merge: MergeSpec = MergeSpec()
     router: RouterSpec = RouterSpec()
 

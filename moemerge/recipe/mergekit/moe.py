@@ -21,8 +21,9 @@ def convert_moe(data: dict, notes: list[str]) -> dict:
         raise RecipeError(f"{', '.join(unknown)}: not a mergekit-moe key moemerge knows")
     if data.get("shared_experts"):
         raise RecipeError("shared_experts: cannot be imported: a moemerge recipe has no shared "
-                          "expert taken from a model (its Qwen2-MoE output's shared expert is "
-                          "zeros) nor mergekit-moe's prompt-based shared_expert_gate; dropping "
+                          "expert taken from any model (its shared_expert is the base's FFN, the "
+                          "experts' average or none) nor mergekit-moe's prompt-based "
+                          "shared_expert_gate; dropping "
                           "it would build a different model (docs/mergekit.md)")
     if data.get("architecture") not in ARCHITECTURES:
         raise RecipeError(f"architecture: {data['architecture']!r} cannot be imported; moemerge "
