@@ -134,8 +134,9 @@ def build(
     warn = warn or _warn
     recipe = load_recipe(recipe_path)
     if out is not None and not dry_run:  # before any model is read
-        check_output_apart(out, _local_inputs(recipe, recipe_path.parent),
-                           contained=_contained(recipe_path, tune))
+        check_output_apart(out, _local_inputs(recipe, recipe_path, tune),
+                           contained=[("the recipe's directory", recipe_path.absolute().parent),
+                                      working_directory()])
         sweep_output(out)  # what a killed run for this output left
     try:
         max_shard = parse_size(recipe.output.max_shard_size)
@@ -232,22 +233,18 @@ def _warn(message: str) -> None:
     warnings.warn(message, stacklevel=3)
 
 
-def _local_inputs(recipe: AnyRecipe, recipe_dir: Path) -> list[tuple[str, Path]]:
-    """(what, directory) of every model reference that names an existing local directory."""
-    found = []
+def _local_inputs(recipe: AnyRecipe, recipe_path: Path,
+                  tune: TuneOptions | None) -> list[tuple[str, Path]]:
+    """(what, path) of every local input: the recipe, the --tune-on text and every model
+    reference that names an existing local directory."""
+    found = [("the recipe", recipe_path)]
+    if tune is not None:
+        found.append(("the --tune-on text", Path(tune.text)))
     for label, ref in _labelled_refs(recipe):
-        for candidate in (recipe_dir / ref.model, Path(ref.model).expanduser()):
+        for candidate in (recipe_path.parent / ref.model, Path(ref.model).expanduser()):
             if candidate.is_dir():
                 found.append((f"input model {label}", candidate))
     return found
-
-
-def _contained(recipe_path: Path, tune: TuneOptions | None) -> list[tuple[str, Path]]:
-    """What an output must not equal or contain: replacing it would delete these."""
-    paths = [("the recipe's directory", recipe_path.absolute().parent), working_directory()]
-    if tune is not None:
-        paths.append(("the --tune-on text", Path(tune.text)))
-    return paths
 
 
 def _override_warnings(recipe: AnyRecipe, models: list[SourceModel]) -> list[str]:

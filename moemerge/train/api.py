@@ -58,13 +58,15 @@ def _load(cfg: TrainConfig, device: torch.device):
     return model.to(device), tokenizer
 
 
-def _check_outputs(cfg: TrainConfig, ctx: distributed.Dist) -> None:
+def _check_outputs(cfg: TrainConfig, ctx: distributed.Dist, config_file: Path | None) -> None:
     out, root = Path(cfg.output), checkpoint.checkpoint_root(Path(cfg.output))
-    data = [("--data", Path(spec.partition("=")[2] if "=" in spec and not Path(spec).exists()
-                            else spec)) for spec in cfg.data]
+    data = [Path(spec.partition("=")[2] if "=" in spec and not Path(spec).exists() else spec)
+            for spec in cfg.data]
+    inputs = [("the input model", Path(cfg.model)),
+              *[("--data", path) for path in data if path.exists()],  # not hub ids
+              *([("the config file", config_file)] if config_file is not None else [])]
     for target in (out, root):  # --force deletes both: neither may hold an input
-        check_output_apart(target, [("the input model", Path(cfg.model))],
-                           contained=[working_directory(), *data])
+        check_output_apart(target, inputs, contained=[working_directory()])
     if ctx.main:  # what a killed run for this output left
         sweep_output(out)
         sweep_stale(root, checkpoint.TMP_PREFIX)
@@ -80,17 +82,19 @@ def _check_outputs(cfg: TrainConfig, ctx: distributed.Dist) -> None:
 
 
 def finetune(cfg: TrainConfig, *, console: Console | None = None,
-             on_step: Callable[[dict], None] | None = None) -> FinetuneResult:
-    """Train `cfg.train` parts of the MoE `cfg.model` on `cfg.data` and write `cfg.output`."""
+             on_step: Callable[[dict], None] | None = None,
+             config_file: Path | None = None) -> FinetuneResult:
+    """Train `cfg.train` parts of the MoE `cfg.model` on `cfg.data` and write `cfg.output`.
+    `config_file`, the YAML `cfg` came from, is an input the output must stay apart from."""
     ctx = distributed.setup(cfg.device, cfg.fsdp)
     try:
-        return _finetune(cfg, ctx, console if ctx.main else None, on_step)
+        return _finetune(cfg, ctx, console if ctx.main else None, on_step, config_file)
     finally:
         distributed.teardown(ctx)
 
 
-def _finetune(cfg, ctx, console, on_step) -> FinetuneResult:
-    _check_outputs(cfg, ctx)
+def _finetune(cfg, ctx, console, on_step, config_file) -> FinetuneResult:
+    _check_outputs(cfg, ctx, config_file)
     if cfg.batch_size % (ctx.world * cfg.grad_accum):
         raise RecipeError(f"batch_size (--batch-size) {cfg.batch_size} must be divisible by "
                           f"{ctx.world} ranks × grad_accum {cfg.grad_accum}")
