@@ -93,3 +93,47 @@ def test_hub_snapshot_links_into_the_blob_store_are_allowed(model_factory, tmp_p
     (tmp_path / "hub" / "elsewhere").write_text("{}")
     with pytest.raises(CheckpointError, match="vocab.json .*outside"):
         copy_side_files(snapshot, tmp_path / "out", SIDE_FILES)
+
+
+@pytest.fixture(scope="module")
+def seq_moe(model_factory, tmp_path_factory):
+    """A tiny sequence-routed MoE: both `route` and `inspect --data` load it."""
+    root = tmp_path_factory.mktemp("seq")
+    base = model_factory("llama")
+    recipe = write_recipe(root / "r.yaml", f"kind: moe\nassembly: seq_routed\nbase_model: "
+                          f"{base}\nexperts: [{base}, {base}]\nexperts_per_sequence: 1\n")
+    assert cli("build", recipe, root / "moe", "--verify", "structure")[0] == 0
+    return root / "moe"
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink"])
+def test_transformers_loads_are_confined_too(seq_moe, tmp_path, train_text, how):
+    """`route` and `inspect --data` load through transformers, not CheckpointReader: the same
+    confinement holds before transformers reads anything."""
+    outside = shutil.copy(seq_moe / "model.safetensors", tmp_path / "elsewhere.safetensors")
+    if how == "symlink":
+        model = shutil.copytree(seq_moe, tmp_path / "m")
+        (model / "model.safetensors").unlink()
+        (model / "model.safetensors").symlink_to(outside)
+    else:
+        ref = "../elsewhere.safetensors" if how == "dotdot" else str(outside)
+        model = indexed(seq_moe, tmp_path / "m", ref)
+        (model / "model.safetensors").unlink()  # transformers prefers it to the index
+    for args in (["route", model, train_text], ["inspect", model, "--data", f"code={train_text}"]):
+        code, text = cli(*args)
+        assert code == 1 and "outside the model directory" in text, (args, text)
+
+
+def test_transformers_loads_a_hub_snapshot(seq_moe, tmp_path):
+    """The blob-store allowance holds for transformers loads as well."""
+    from moemerge.modeling import load_pretrained
+
+    repo = tmp_path / "hub" / "models--org--moe"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    for i, file in enumerate(sorted(p for p in seq_moe.iterdir() if p.is_file())):
+        shutil.copy(file, repo / "blobs" / f"blob{i}")
+        os.symlink(f"../../blobs/blob{i}", snapshot / file.name)
+    model = load_pretrained("AutoModelForCausalLM", snapshot)
+    assert model.config.num_experts == 2
