@@ -27,7 +27,7 @@ from moemerge.io.atomic import (
     sweep_output,
 )
 from moemerge.io.paths import check_output_apart, working_directory
-from moemerge.io.writer import ShardedWriter, check_free_space, parse_size
+from moemerge.io.writer import ShardedWriter, parse_size
 from moemerge.merge.primitives import count_non_finite
 from moemerge.plan.build import plan_merge, plan_token_routed
 from moemerge.plan.jobs import Plan, Source
@@ -165,7 +165,6 @@ def build(
         if dry_run or out is None:
             return BuildResult(plan, None, "none")
         check_output_apart(out, [(f"input model {m.label}", m.path) for m in models])
-        check_free_space(out, plan.total_bytes * (2 if tune is not None else 1))
         seen_non_finite: set[Source] = set()
 
         def load(source: Source):
@@ -208,7 +207,8 @@ def build(
         make_router = (None if isinstance(recipe, MergeRecipe | MergedExpertsRecipe)
                        else _router_maker(recipe, models))
         tuning = None
-        with atomic_output_dir(out, force=force) as tmp:
+        size = plan.total_bytes * (2 if tune is not None else 1)  # tuning: an untuned copy too
+        with atomic_output_dir(out, force=force, size=size) as tmp:
             if tune is not None:
                 untuned = tmp / "untuned"
                 untuned.mkdir()

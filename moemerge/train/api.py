@@ -15,7 +15,7 @@ import yaml
 from rich.console import Console
 
 from moemerge.errors import CheckpointError, OutputError, RecipeError
-from moemerge.io.atomic import sweep_output, sweep_stale
+from moemerge.io.atomic import check_free_space, sweep_output, sweep_stale
 from moemerge.io.paths import check_output_apart, working_directory
 from moemerge.io.reader import CheckpointReader
 from moemerge.modeling import is_merged_experts, is_sequence_routed, load_pretrained
@@ -81,6 +81,19 @@ def _check_outputs(cfg: TrainConfig, ctx: distributed.Dist, config_file: Path | 
             shutil.rmtree(root)
 
 
+def _check_space(cfg: TrainConfig, model: torch.nn.Module, names: list[str]) -> None:
+    """Before training, as a build checks before writing: room for the exported model and,
+    with save_every, the checkpoints on disk at once (keep_checkpoints and the one being
+    written: the trained tensors and AdamW's two moments, fp32)."""
+    with CheckpointReader(Path(cfg.model)) as reader:
+        size = reader.total_bytes
+    params = dict(model.named_parameters())
+    state = 3 * 4 * sum(params[n].numel() for n in names)
+    copies = cfg.keep_checkpoints + 1 if cfg.save_every else 0
+    what = f" and {copies} training checkpoints in {checkpoint.checkpoint_root(Path(cfg.output))}"
+    check_free_space(Path(cfg.output), size + copies * state, what if copies else "")
+
+
 def finetune(cfg: TrainConfig, *, console: Console | None = None,
              on_step: Callable[[dict], None] | None = None,
              config_file: Path | None = None) -> FinetuneResult:
@@ -106,6 +119,7 @@ def _finetune(cfg, ctx, console, on_step, config_file) -> FinetuneResult:
     blocks = make_blocks(texts, tokenizer, cfg.seq_len, cfg.eval_fraction)
     names = select_trainable(model, cfg.train, cfg.model)
     check_aux_loss(model, cfg.aux_loss_coef, cfg.model)
+    _check_space(cfg, model, names)
     if ctx.sharded:  # replaces the parameters with DTensor shards: look them up after
         model = sharding.shard_model(model, ctx)
     params = dict(model.named_parameters())
