@@ -160,7 +160,7 @@ def build(
             check=check_shared_vocabulary if isinstance(recipe, BridgedRecipe) else None,
         )
         plan = make_plan(recipe, models)
-        for message in _override_warnings(recipe, models):
+        for message in _override_warnings(recipe, models, plan):
             warn(message)
         if dry_run or out is None:
             return BuildResult(plan, None, "none")
@@ -247,9 +247,12 @@ def _local_inputs(recipe: AnyRecipe, recipe_path: Path,
     return found
 
 
-def _override_warnings(recipe: AnyRecipe, models: list[SourceModel]) -> list[str]:
+def _override_warnings(recipe: AnyRecipe, models: list[SourceModel], plan: Plan) -> list[str]:
+    """Override `layers:` name the output's layers: a slices merge's stack, else the models'
+    (bridged: the deepest)."""
     merge = getattr(recipe, "merge", None)
-    layers = max(m.config["num_hidden_layers"] for m in models)  # bridged: the deepest
+    layers = (plan.config["num_hidden_layers"] if getattr(recipe, "slices", None)
+              else max(m.config["num_hidden_layers"] for m in models))
     return override_layer_warnings(merge, layers) if merge is not None else []
 
 

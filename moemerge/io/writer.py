@@ -118,7 +118,7 @@ class ShardedWriter:
         try:
             for index, (file, group) in enumerate(zip(self._files, groups, strict=True)):
                 header, offsets = shard_layout(group, {"format": "pt", **(metadata or {})})
-                fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)  # & ~umask
                 self._fds.append(fd)
                 # pre-sized: the file has its final length before any tensor is written
                 os.ftruncate(fd, len(header) + sum(_nbytes(d, s) for _, d, s in group))
