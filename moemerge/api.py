@@ -27,7 +27,7 @@ from moemerge.io.atomic import (
     sweep_output,
 )
 from moemerge.io.paths import check_output_apart, working_directory
-from moemerge.io.writer import ShardedWriter, check_free_space, parse_size
+from moemerge.io.writer import ShardedWriter, parse_size
 from moemerge.merge.primitives import count_non_finite
 from moemerge.plan.build import plan_merge, plan_token_routed
 from moemerge.plan.jobs import Plan, Source
@@ -145,8 +145,9 @@ def build(
     warn = warn or _warn
     recipe = load_recipe(recipe_path)
     if out is not None and not dry_run:  # before any model is read
-        check_output_apart(out, _local_inputs(recipe, recipe_path.parent),
-                           contained=_contained(recipe_path, tune))
+        check_output_apart(out, _local_inputs(recipe, recipe_path, tune),
+                           contained=[("the recipe's directory", recipe_path.absolute().parent),
+                                      working_directory()])
         sweep_output(out)  # what a killed run for this output left
     try:
         max_shard = parse_size(recipe.output.max_shard_size)
@@ -170,14 +171,13 @@ def build(
             check=check_shared_vocabulary if isinstance(recipe, BridgedRecipe) else None,
         )
         plan = make_plan(recipe, models)
-        for message in [*_override_warnings(recipe, models), *plan.notes]:
+        for message in [*_override_warnings(recipe, models, plan), *plan.notes]:
             warn(message)
         if dry_run or out is None:
             sizes = estimate(plan, lambda s: models[s.model].reader.meta(s.tensor).nbytes,
                              max(lookahead, workers))
             return BuildResult(plan, None, "none", estimate=sizes)
         check_output_apart(out, [(f"input model {m.label}", m.path) for m in models])
-        check_free_space(out, plan.total_bytes * (2 if tune is not None else 1))
         seen_non_finite: set[Source] = set()
 
         def load(source: Source):
@@ -221,7 +221,8 @@ def build(
         make_router = (None if isinstance(recipe, MergeRecipe | MergedExpertsRecipe)
                        else _router_maker(recipe, models))
         tuning = None
-        with atomic_output_dir(out, force=force) as tmp:
+        size = plan.total_bytes * (2 if tune is not None else 1)  # tuning: an untuned copy too
+        with atomic_output_dir(out, force=force, size=size) as tmp:
             if tune is not None:
                 untuned = tmp / "untuned"
                 untuned.mkdir()
@@ -246,27 +247,26 @@ def _warn(message: str) -> None:
     warnings.warn(message, stacklevel=3)
 
 
-def _local_inputs(recipe: AnyRecipe, recipe_dir: Path) -> list[tuple[str, Path]]:
-    """(what, directory) of every model reference that names an existing local directory."""
-    found = []
+def _local_inputs(recipe: AnyRecipe, recipe_path: Path,
+                  tune: TuneOptions | None) -> list[tuple[str, Path]]:
+    """(what, path) of every local input: the recipe, the --tune-on text and every model
+    reference that names an existing local directory."""
+    found = [("the recipe", recipe_path)]
+    if tune is not None:
+        found.append(("the --tune-on text", Path(tune.text)))
     for label, ref in _labelled_refs(recipe):
-        for candidate in (recipe_dir / ref.model, Path(ref.model).expanduser()):
+        for candidate in (recipe_path.parent / ref.model, Path(ref.model).expanduser()):
             if candidate.is_dir():
                 found.append((f"input model {label}", candidate))
     return found
 
 
-def _contained(recipe_path: Path, tune: TuneOptions | None) -> list[tuple[str, Path]]:
-    """What an output must not equal or contain: replacing it would delete these."""
-    paths = [("the recipe's directory", recipe_path.absolute().parent), working_directory()]
-    if tune is not None:
-        paths.append(("the --tune-on text", Path(tune.text)))
-    return paths
-
-
-def _override_warnings(recipe: AnyRecipe, models: list[SourceModel]) -> list[str]:
+def _override_warnings(recipe: AnyRecipe, models: list[SourceModel], plan: Plan) -> list[str]:
+    """Override `layers:` name the output's layers: a slices merge's stack, else the models'
+    (bridged: the deepest)."""
     merge = getattr(recipe, "merge", None)
-    layers = max(m.config["num_hidden_layers"] for m in models)  # bridged: the deepest
+    layers = (plan.config["num_hidden_layers"] if getattr(recipe, "slices", None)
+              else max(m.config["num_hidden_layers"] for m in models))
     return override_layer_warnings(merge, layers) if merge is not None else []
 
 

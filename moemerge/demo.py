@@ -53,8 +53,10 @@ def materialise_toy_set(spec, directory: Path, *, force: bool = False, progress:
     check_output_apart(directory, [("the toy cache", cache_root())],
                        contained=[working_directory()])
     toyset = cached_toy_experts(spec, progress=progress)
-    with atomic_output_dir(directory, force=force) as tmp:
-        for part in ("base", "experts", "data"):
+    parts = ("base", "experts", "data")
+    size = sum(f.stat().st_size for p in parts for f in (toyset.root / p).rglob("*") if f.is_file())
+    with atomic_output_dir(directory, force=force, size=size) as tmp:
+        for part in parts:
             shutil.copytree(toyset.root / part, tmp / part)
     return toyset
 

@@ -28,6 +28,8 @@ def _records(path: Path, text_field: str) -> list[dict]:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise RecipeError(f"{path}:{number}: not valid JSON: {exc.msg}") from None
+        except RecursionError:
+            raise RecipeError(f"{path}:{number}: the JSON is nested too deeply") from None
         if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
             raise RecipeError(f"{path}:{number}: no string field {text_field!r} in this record")
         records.append(record)

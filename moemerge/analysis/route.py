@@ -66,6 +66,8 @@ def _record_text(line: str, text_field: str, where: str) -> str:
         value = json.loads(line)[text_field]
     except (ValueError, KeyError, TypeError):
         raise RecipeError(f"{where}: not a JSON object with a {text_field!r} field") from None
+    except RecursionError:
+        raise RecipeError(f"{where}: the JSON is nested too deeply") from None
     if not isinstance(value, str):
         raise RecipeError(f"{where}: field {text_field!r} is not a string")
     return value

@@ -16,7 +16,7 @@ import torch
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.io.atomic import RECIPE_COPY, SIDE_FILES, atomic_output_dir, copy_side_files
 from moemerge.io.reader import CheckpointReader, read_config
-from moemerge.io.writer import ShardedWriter, check_free_space
+from moemerge.io.writer import ShardedWriter
 
 CURVATURE = ".mlp.curvature."
 KEEP = (*SIDE_FILES, RECIPE_COPY)
@@ -43,8 +43,8 @@ def bake_curvature(model_dir: Path, out: Path, *, force: bool = False,
         baked = model.baked_experts()
         names = [n for n in reader.names() if CURVATURE not in n]
         planned = [(n, reader.meta(n).dtype, reader.meta(n).shape) for n in names]
-        check_free_space(out, sum(reader.meta(n).nbytes for n in names))
-        with atomic_output_dir(out, force=force) as tmp:
+        size = sum(reader.meta(n).nbytes for n in names)
+        with atomic_output_dir(out, force=force, size=size) as tmp:
             with ShardedWriter(tmp, planned, max_shard_bytes=max_shard_bytes) as writer:
                 for name, dtype, _ in planned:
                     tensor = baked[name] if name in baked else reader.read(name)

@@ -24,9 +24,11 @@ def export(
     computes the same outputs with no curvature matrices (config curvature: none)."""
     from moemerge.assemble.bake import bake_curvature
     from moemerge.errors import OutputError
+    from moemerge.io.atomic import sweep_output
     from moemerge.io.paths import check_output_apart, working_directory
 
     check_output_apart(output, [("the input model", model)], contained=[working_directory()])
+    sweep_output(output)  # what a killed export left, even if this one fails
     if output.exists() and not force:
         raise OutputError(f"{output} already exists; pass --force to replace it")
     baked = bake_curvature(model, output, force=force)

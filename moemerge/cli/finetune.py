@@ -88,7 +88,7 @@ def finetune(
     for flag in ("resume", "force", "fsdp", "gradient_checkpointing", "trust_remote_code"):
         options[flag] = True if options[flag] else None
     cfg = make_config(config, options)
-    result = run_finetune(cfg, console=None if quiet else err)
+    result = run_finetune(cfg, console=None if quiet else err, config_file=config)
     after = sum(d["ppl"] for d in result.after.values()) / len(result.after)
     before = sum(d["ppl"] for d in result.before.values()) / len(result.before)
     out.print(f"[green]finetuned[/] {cfg.output} ({result.steps} steps; mean held-out perplexity "

@@ -25,9 +25,12 @@ def import_mergekit(
     """Translate a mergekit config into a moemerge recipe that builds the same model (docs/
     mergekit.md). What it cannot carry is an error, or a note in the recipe's comment block."""
     from moemerge.errors import OutputError
+    from moemerge.io.paths import check_output_apart
     from moemerge.recipe.load import load_recipe_data
     from moemerge.recipe.mergekit import convert, render
 
+    if output is not None:
+        check_output_apart(output, [("the mergekit config", config)])
     imported = convert(load_recipe_data(config), str(config))
     text = render(imported, config.name)
     if output is None:

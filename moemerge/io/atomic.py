@@ -81,39 +81,108 @@ def sweep_output(out: Path) -> list[Path]:
             + sweep_stale(out.parent, f".{out.name}.{TMP_TAG}"))
 
 
+class NoSpaceLeft(OutputError):
+    """The device of `where` filled up while `doing`; `needed`: the bytes still to write."""
+
+    def __init__(self, where: Path, reason: str, doing: str, needed: int, *,
+                 cleaned: bool = False):
+        self.reason, self.doing, self.needed = reason, doing, needed
+        left = "; nothing was left behind" if cleaned else ""
+        super().__init__(f"no space left for {where} ({reason}) while {doing}: "
+                         f"{space_needed(where, needed)}{left}")
+
+
+def space_needed(where: Path, needed: int) -> str:
+    """'it needs X MiB more, Y MiB are free' on the device `where` is (to be) on."""
+    free = free_bytes(existing_ancestor(Path(where)))
+    return f"it needs {needed / 2**20:.1f} MiB more, {free / 2**20:.1f} MiB are free"
+
+
+SPACE_MARGIN = 1.02  # headers, config, tokenizer, card: a little over the tensor bytes
+
+
+def check_free_space(out: Path, tensor_bytes: int, what: str = "") -> None:
+    """Refuse up front an output the device of `out` cannot hold (ENOSPC half-way through a
+    long build wastes the build); `tensor_bytes` from the plan, `what` says what they are."""
+    parent = existing_ancestor(Path(out).absolute().parent)
+    need, free = int(tensor_bytes * SPACE_MARGIN) + 2**20, free_bytes(parent)
+    if need > free:
+        raise OutputError(f"not enough space for {out}{what}: it needs about "
+                          f"{need / 2**20:.1f} MiB and the device of {parent} has "
+                          f"{free / 2**20:.1f} MiB free")
+
+
+def existing_ancestor(path: Path) -> Path:
+    """`path` or its nearest ancestor that exists."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 @contextmanager
-def atomic_output_dir(out: Path, *, force: bool = False) -> Iterator[Path]:
+def atomic_output_dir(out: Path, *, force: bool = False, size: int | None = None
+                      ) -> Iterator[Path]:
     """Yield a temporary directory next to `out`; on success it is renamed to `out`.
 
     The temporary name starts with a dot and says what it is (`.out.moemerge-tmp-<pid>-XXXX`),
     so an interrupted build leaves nothing named `out`; on an exception it is removed, and so
     are the parent directories this call created. An existing `out` is refused unless `force`,
     and then replaced only once the new one is complete: the old one is moved aside, the new
-    one renamed in, and the old one deleted."""
+    one renamed in, and the old one deleted. `size` (the tensor bytes the output will hold) is
+    checked against the free space before anything is created; a full device while writing
+    is an OutputError naming `out`, the space still needed and the space free."""
     out = Path(out)
     if out.exists() and not force:
         raise OutputError(f"{out} already exists; pass --force to replace it")
+    if size is not None:
+        check_free_space(out, size)
     created = _make_parents(out.parent)
     try:
         sweep_output(out)
         tmp = owned_tempdir(out.parent, f".{out.name}.{TMP_TAG}")
     except OSError as exc:
         _remove_created(created)
+        if exc.errno in NO_SPACE:
+            raise NoSpaceLeft(out, exc.strerror, "creating it", _needed(size, 0),
+                              cleaned=True) from None
         raise OutputError(f"cannot create the output {out}: {exc.strerror} "
                           f"({exc.filename or out.parent})") from None
     try:
         yield tmp
         fsync_tree(tmp)
     except BaseException as exc:  # KeyboardInterrupt too: nothing half-written may stay behind
+        full = _no_space(out, tmp, exc, size)  # before the cleanup frees what was written
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_created(created)
-        if isinstance(exc, OSError) and exc.errno in NO_SPACE:
-            raise OutputError(f"no space left on the device of {out} ({exc.strerror}): "
-                              f"{free_bytes(out.parent) / 2**20:.1f} MiB free; nothing was "
-                              "left behind") from None
+        if full is not None:
+            raise full from None
         raise
     _install(tmp, out, force)
     fsync_dir(out.parent)
+
+
+def _no_space(out: Path, tmp: Path, exc: BaseException, size: int | None) -> NoSpaceLeft | None:
+    """`exc` (a writer's NoSpaceLeft or a bare ENOSPC) restated for `out`; None otherwise."""
+    if isinstance(exc, NoSpaceLeft):
+        return NoSpaceLeft(out, exc.reason, exc.doing, exc.needed, cleaned=True)
+    if not (isinstance(exc, OSError) and exc.errno in NO_SPACE):
+        return None
+    doing = f"writing {Path(exc.filename).name}" if exc.filename else "writing it"
+    return NoSpaceLeft(out, exc.strerror, doing, _needed(size, _allocated(tmp)), cleaned=True)
+
+
+def _needed(size: int | None, written: int) -> int:
+    """What an output of `size` tensor bytes still needs once `written` bytes are on disk
+    (unknown size: at least a MiB more)."""
+    if size is None:
+        return 2**20
+    return max(int(size * SPACE_MARGIN) + 2**20 - written, 2**20)
+
+
+def _allocated(root: Path) -> int:
+    """Bytes the files under `root` occupy (pre-sized shards count only what was written)."""
+    return sum(p.lstat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
 
 
 def _make_parents(parent: Path) -> list[Path]:

@@ -58,9 +58,10 @@ def check_tree_confined(tree: Path, directory: Path) -> None:
 def check_output_apart(out: Path, inputs: Iterable[tuple[str, Path]], *,
                        contained: Iterable[tuple[str, Path]] = ()) -> None:
     """Refuse (exit 2, before anything is read) an output that would replace or write into an
-    input. `inputs` are (what, directory) that OUT must not equal, contain or sit inside;
-    `contained` are (what, path) that OUT must not equal or contain (the recipe's directory,
-    the working directory, data files): replacing OUT would delete them."""
+    input. `inputs` are (what, file or directory) that OUT must not equal, contain or sit
+    inside (models, the recipe or config file, data); `contained` are (what, directory) that
+    OUT must not equal or contain (the recipe's directory, the working directory): replacing
+    OUT would delete them, while writing below them is fine."""
     target = real(out)
     for what, path in inputs:
         src = real(path)
@@ -68,12 +69,12 @@ def check_output_apart(out: Path, inputs: Iterable[tuple[str, Path]], *,
             relation = ("is" if target == src else "is inside" if within(target, src)
                         else "contains")
             raise RecipeError(f"output {out} {relation} {what} {path}; moemerge never writes "
-                              "into or replaces its inputs. Choose another output directory.")
+                              "into or replaces its inputs. Choose another output path.")
     for what, path in contained:
         if within(real(path), target):
             relation = "is" if real(path) == target else "contains"
             raise RecipeError(f"output {out} {relation} {what} {path}; replacing it would "
-                              "delete that. Choose another output directory.")
+                              "delete that. Choose another output path.")
 
 
 def working_directory() -> tuple[str, Path]:

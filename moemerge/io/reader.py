@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from moemerge.errors import CheckpointError
-from moemerge.io.paths import confined
+from moemerge.io.paths import check_tree_confined, confined
 
 # safetensors dtype strings -> torch dtypes (the writer uses the inverse map)
 DTYPES: dict[str, torch.dtype] = {
@@ -148,6 +148,35 @@ def read_config(directory: Path) -> dict:
     return config
 
 
+def indexed_files(index: Path, directory: Path) -> list[Path]:
+    """The shards an index's weight_map names, each inside `directory` (links resolved)."""
+    confined(index, directory, "index")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
+            RecursionError) as exc:
+        raise CheckpointError(f"{index} is not a valid index: {str(exc)[:200]}") from None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(f, str) and f for f in weight_map.values()):
+        raise CheckpointError(f"{index} is not a valid index: its weight_map must map "
+                              "tensor names to file names")
+    files = sorted(confined(Path(f), directory, f"file listed in {index.name}")
+                   for f in set(weight_map.values()))
+    for file in files:
+        if not file.is_file():
+            raise CheckpointError(f"shard {file} is listed in {index.name} but missing")
+    return files
+
+
+def check_model_dir_confined(directory: Path) -> None:
+    """Before transformers loads local `directory`: every file in it and every shard its
+    indexes name stays inside it (or its hub blob store), as CheckpointReader requires."""
+    check_tree_confined(directory, directory)
+    for index in (SAFETENSORS_INDEX, PICKLE_INDEX):
+        if (directory / index).is_file():
+            indexed_files(directory / index, directory)
+
+
 class CheckpointReader:
     """A checkpoint directory opened header-only; `read(name)` loads one tensor."""
 
@@ -175,37 +204,19 @@ class CheckpointReader:
         d = self.directory.absolute()  # the files below are joined to it once, not twice
         # safetensors first: hub repos often carry both formats, and the .bin index is a .json
         if (d / SAFETENSORS_INDEX).is_file():
-            files = self._indexed_files(d / SAFETENSORS_INDEX)
+            files = indexed_files(d / SAFETENSORS_INDEX, d)
         elif (single := d / "model.safetensors").is_file():
             files = [single]
         elif found := sorted(d.glob("*.safetensors")):
             files = found
         elif (d / PICKLE_INDEX).is_file():
-            files = self._indexed_files(d / PICKLE_INDEX)
+            files = indexed_files(d / PICKLE_INDEX, d)
         elif (d / "pytorch_model.bin").is_file():
             files = [d / "pytorch_model.bin"]
         elif not (files := sorted(d.glob("*.bin"))):
             raise CheckpointError(f"{d} holds no weights (*.safetensors or *.bin)")
         files = [confined(f, d, "weight file") for f in files]
         return [f if f.suffix == ".safetensors" else self._check_pickle(f) for f in files]
-
-    def _indexed_files(self, index: Path) -> list[Path]:
-        confined(index, self.directory, "index")
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
-                RecursionError) as exc:
-            raise CheckpointError(f"{index} is not a valid index: {str(exc)[:200]}") from None
-        if not isinstance(weight_map, dict) or not all(
-                isinstance(f, str) and f for f in weight_map.values()):
-            raise CheckpointError(f"{index} is not a valid index: its weight_map must map "
-                                  "tensor names to file names")
-        files = sorted(confined(Path(f), self.directory, f"file listed in {index.name}")
-                       for f in set(weight_map.values()))
-        for file in files:
-            if not file.is_file():
-                raise CheckpointError(f"shard {file} is listed in {index.name} but missing")
-        return files
 
     def _check_pickle(self, file: Path) -> Path:
         if not self.allow_pickle:

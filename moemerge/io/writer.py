@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from moemerge.errors import OutputError
-from moemerge.io.atomic import NO_SPACE, free_bytes
+from moemerge.io.atomic import NO_SPACE, NoSpaceLeft
 from moemerge.io.reader import DTYPES, SAFETENSORS_INDEX
 
 Planned = tuple[str, torch.dtype, tuple[int, ...]]
@@ -118,7 +118,7 @@ class ShardedWriter:
         try:
             for index, (file, group) in enumerate(zip(self._files, groups, strict=True)):
                 header, offsets = shard_layout(group, {"format": "pt", **(metadata or {})})
-                fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)  # & ~umask
                 self._fds.append(fd)
                 # pre-sized: the file has its final length before any tensor is written
                 os.ftruncate(fd, len(header) + sum(_nbytes(d, s) for _, d, s in group))
@@ -163,12 +163,8 @@ class ShardedWriter:
             raise self._no_space(exc, f"writing {name!r}", left) from None
         self._written.add(name)
 
-    def _no_space(self, exc: OSError, doing: str, left: int) -> OutputError:
-        free = free_bytes(self.directory)
-        return OutputError(
-            f"no space left for the output in {self.directory.parent} ({exc.strerror}) while "
-            f"{doing}: it needs {left / 2**20:.1f} MiB more, {free / 2**20:.1f} MiB are free; "
-            "nothing was left behind")
+    def _no_space(self, exc: OSError, doing: str, left: int) -> NoSpaceLeft:
+        return NoSpaceLeft(self.directory, exc.strerror, doing, left)
 
     def close(self) -> None:
         """Check every tensor was written, fsync, and write the index when there are shards."""
@@ -208,21 +204,6 @@ class ShardedWriter:
             self.close()
         else:  # the build failed: keep its error, not a "tensors missing" one
             self._release()
-
-
-SPACE_MARGIN = 1.02  # headers, config, tokenizer, card: a little over the tensor bytes
-
-
-def check_free_space(out: Path, tensor_bytes: int) -> None:
-    """Refuse up front an output the device of `out` cannot hold (ENOSPC half-way through a
-    long build wastes the build); `tensor_bytes` from the plan."""
-    parent = Path(out).absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    need, free = int(tensor_bytes * SPACE_MARGIN) + 2**20, free_bytes(parent)
-    if need > free:
-        raise OutputError(f"not enough space for {out}: it needs about {need / 2**20:.1f} MiB "
-                          f"and the device of {parent} has {free / 2**20:.1f} MiB free")
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:

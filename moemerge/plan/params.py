@@ -96,7 +96,7 @@ def override_layer_warnings(spec: MergeSpec, num_layers: int) -> list[str]:
     for index, override in enumerate(spec.overrides):
         beyond = sorted({n for n in override.layers or () if not 0 <= n < num_layers})
         if beyond:
-            warnings.append(f"merge.overrides[{index}].layers: {beyond[:10]} beyond the model's "
+            warnings.append(f"merge.overrides[{index}].layers: {beyond[:10]} beyond the output's "
                             f"{num_layers} layers (0..{num_layers - 1}); the override never "
                             "applies there")
     return warnings

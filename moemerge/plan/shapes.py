@@ -11,6 +11,7 @@ from moemerge.errors import CheckpointError
 
 REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
             "vocab_size")
+OPTIONAL = ("num_key_value_heads", "head_dim")  # absent or null: heads, hidden_size / heads
 # per-layer tensor (name suffix) -> expected [rows, cols] in terms of the config's fields
 LAYER_SHAPES = {
     "self_attn.q_proj.weight": ("q", "hidden_size"),
@@ -25,16 +26,19 @@ LAYER_SHAPES = {
 
 def check_config_shapes(config: dict, roles: dict[str, TensorRole], shapes: dict[str, tuple],
                         where: str) -> None:
-    """Every shape field of `config` (from `where`) agrees with the tensors' `shapes`."""
-    for key in REQUIRED:
+    """Every shape field of `config` agrees with the tensors' `shapes`; `where` is
+    "label: model directory", so each message names the model and its config.json."""
+    for key in REQUIRED + OPTIONAL:
         value = config.get(key)
+        if value is None and key in OPTIONAL:
+            continue
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise CheckpointError(f"{where}/config.json: {key} is "
                                   f"{'missing' if value is None else repr(value)[:40]}; it must "
                                   "be a positive integer")
     sizes = dict(config)
-    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or \
-        config["num_attention_heads"]
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     sizes |= {"q": heads * head_dim, "kv": kv * head_dim}
     layers = sorted({r.layer for r in roles.values() if r.layer is not None})

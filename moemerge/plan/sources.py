@@ -82,7 +82,7 @@ def open_sources(
                 )
             roles[name] = role
         check_config_shapes(reader.config, roles,
-                            {n: m.shape for n, m in reader.metas.items()}, f"{label} ({path})")
+                            {n: m.shape for n, m in reader.metas.items()}, f"{label}: {path}")
         models.append(SourceModel(label, path, reader, family, roles))
     (check or check_compatible)(models)
     return models

@@ -15,7 +15,7 @@ import yaml
 from rich.console import Console
 
 from moemerge.errors import CheckpointError, OutputError, RecipeError
-from moemerge.io.atomic import sweep_output, sweep_stale
+from moemerge.io.atomic import check_free_space, sweep_output, sweep_stale
 from moemerge.io.paths import check_output_apart, working_directory
 from moemerge.io.reader import CheckpointReader
 from moemerge.modeling import is_merged_experts, is_sequence_routed, load_pretrained
@@ -58,13 +58,15 @@ def _load(cfg: TrainConfig, device: torch.device):
     return model.to(device), tokenizer
 
 
-def _check_outputs(cfg: TrainConfig, ctx: distributed.Dist) -> None:
+def _check_outputs(cfg: TrainConfig, ctx: distributed.Dist, config_file: Path | None) -> None:
     out, root = Path(cfg.output), checkpoint.checkpoint_root(Path(cfg.output))
-    data = [("--data", Path(spec.partition("=")[2] if "=" in spec and not Path(spec).exists()
-                            else spec)) for spec in cfg.data]
+    data = [Path(spec.partition("=")[2] if "=" in spec and not Path(spec).exists() else spec)
+            for spec in cfg.data]
+    inputs = [("the input model", Path(cfg.model)),
+              *[("--data", path) for path in data if path.exists()],  # not hub ids
+              *([("the config file", config_file)] if config_file is not None else [])]
     for target in (out, root):  # --force deletes both: neither may hold an input
-        check_output_apart(target, [("the input model", Path(cfg.model))],
-                           contained=[working_directory(), *data])
+        check_output_apart(target, inputs, contained=[working_directory()])
     if ctx.main:  # what a killed run for this output left
         sweep_output(out)
         sweep_stale(root, checkpoint.TMP_PREFIX)
@@ -79,18 +81,33 @@ def _check_outputs(cfg: TrainConfig, ctx: distributed.Dist) -> None:
             shutil.rmtree(root)
 
 
+def _check_space(cfg: TrainConfig, model: torch.nn.Module, names: list[str]) -> None:
+    """Before training, as a build checks before writing: room for the exported model and,
+    with save_every, the checkpoints on disk at once (keep_checkpoints and the one being
+    written: the trained tensors and AdamW's two moments, fp32)."""
+    with CheckpointReader(Path(cfg.model)) as reader:
+        size = reader.total_bytes
+    params = dict(model.named_parameters())
+    state = 3 * 4 * sum(params[n].numel() for n in names)
+    copies = cfg.keep_checkpoints + 1 if cfg.save_every else 0
+    what = f" and {copies} training checkpoints in {checkpoint.checkpoint_root(Path(cfg.output))}"
+    check_free_space(Path(cfg.output), size + copies * state, what if copies else "")
+
+
 def finetune(cfg: TrainConfig, *, console: Console | None = None,
-             on_step: Callable[[dict], None] | None = None) -> FinetuneResult:
-    """Train `cfg.train` parts of the MoE `cfg.model` on `cfg.data` and write `cfg.output`."""
+             on_step: Callable[[dict], None] | None = None,
+             config_file: Path | None = None) -> FinetuneResult:
+    """Train `cfg.train` parts of the MoE `cfg.model` on `cfg.data` and write `cfg.output`.
+    `config_file`, the YAML `cfg` came from, is an input the output must stay apart from."""
     ctx = distributed.setup(cfg.device, cfg.fsdp, cfg.autocast)
     try:
-        return _finetune(cfg, ctx, console if ctx.main else None, on_step)
+        return _finetune(cfg, ctx, console if ctx.main else None, on_step, config_file)
     finally:
         distributed.teardown(ctx)
 
 
-def _finetune(cfg, ctx, console, on_step) -> FinetuneResult:
-    _check_outputs(cfg, ctx)
+def _finetune(cfg, ctx, console, on_step, config_file) -> FinetuneResult:
+    _check_outputs(cfg, ctx, config_file)
     if cfg.batch_size % (ctx.world * cfg.grad_accum):
         raise RecipeError(f"batch_size (--batch-size) {cfg.batch_size} must be divisible by "
                           f"{ctx.world} ranks × grad_accum {cfg.grad_accum}")
@@ -102,6 +119,7 @@ def _finetune(cfg, ctx, console, on_step) -> FinetuneResult:
     blocks = make_blocks(texts, tokenizer, cfg.seq_len, cfg.eval_fraction)
     names = select_trainable(model, cfg.train, cfg.model)
     check_aux_loss(model, cfg.aux_loss_coef, cfg.model)
+    _check_space(cfg, model, names)
     if ctx.sharded:  # replaces the parameters with DTensor shards: look them up after
         model = sharding.shard_model(model, ctx)
     params = dict(model.named_parameters())

@@ -21,8 +21,16 @@ from pathlib import Path
 
 import torch
 
-from moemerge.errors import CheckpointError, RecipeError
-from moemerge.io.atomic import fsync_dir, fsync_tree, owned_tempdir, sweep_stale
+from moemerge.errors import CheckpointError, OutputError, RecipeError
+from moemerge.io.atomic import (
+    NO_SPACE,
+    NoSpaceLeft,
+    fsync_dir,
+    fsync_tree,
+    owned_tempdir,
+    space_needed,
+    sweep_stale,
+)
 
 STATE = "state.pt"
 
@@ -74,13 +82,43 @@ def save(root: Path, step: int, state: dict, keep: int) -> Path:
             shutil.rmtree(final)
         tmp.rename(final)
         fsync_dir(root)
-    except BaseException:
+    except BaseException as exc:
+        failed = _write_error(final, exc, state)  # before the cleanup frees what was written
         shutil.rmtree(tmp, ignore_errors=True)
+        if not any(root.iterdir()):  # made for this checkpoint
+            root.rmdir()
+        if failed is not None:
+            raise failed from None
         raise
     steps = sorted(int(p.name[5:]) for p in root.glob("step-*") if p.name[5:].isdigit())
     for old in steps[:-keep]:
         shutil.rmtree(root / f"step-{old}", ignore_errors=True)
     return final
+
+
+def _write_error(final: Path, exc: BaseException, state: dict) -> OutputError | None:
+    """A clean error for a checkpoint that could not be written (torch.save reports a full
+    disk as a RuntimeError), naming it and the space it needs against the space free."""
+    if isinstance(exc, OSError) and exc.errno not in NO_SPACE:
+        return OutputError(f"cannot write the checkpoint {final}: {exc.strerror or exc}")
+    if isinstance(exc, OSError):
+        return NoSpaceLeft(final, exc.strerror, "saving the training state", state_bytes(state),
+                           cleaned=True)
+    if isinstance(exc, RuntimeError):
+        return OutputError(f"cannot write the checkpoint {final} ({str(exc)[:200]}); "
+                           f"{space_needed(final, state_bytes(state))}; nothing was left behind")
+    return None
+
+
+def state_bytes(state: object) -> int:
+    """Bytes of the tensors in a (nested) training state."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(state_bytes(v) for v in state)
+    return 0
 
 
 def load_latest(root: Path, fingerprint: dict,

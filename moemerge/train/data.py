@@ -56,6 +56,8 @@ def _documents(path: Path, text_field: str) -> list[str]:
                 raise RecipeError(
                     f"{path}:{n}: not a JSON object with a {text_field!r} field (--text-field)"
                 ) from None
+            except RecursionError:
+                raise RecipeError(f"{path}:{n}: the JSON is nested too deeply") from None
             docs.append(str(doc))
         return docs
     return [path.read_text(encoding="utf-8", errors="replace")]

@@ -19,7 +19,7 @@ import torch
 from moemerge.io.atomic import atomic_output_dir
 from moemerge.io.paths import check_tree_confined
 from moemerge.io.reader import PICKLE_INDEX, SAFETENSORS_INDEX, CheckpointReader
-from moemerge.io.writer import ShardedWriter, check_free_space
+from moemerge.io.writer import ShardedWriter
 from moemerge.train.params import to_disk_names
 
 WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth"}
@@ -48,8 +48,7 @@ def export(model: torch.nn.Module, names: list[str], source: Path, out: Path, *,
             per_file[m.file] = per_file.get(m.file, 0) + m.nbytes
         planned = [(m.name, m.dtype, m.shape) for m in metas]
         written: dict[str, torch.Tensor] = {}
-        check_free_space(out, reader.total_bytes)
-        with atomic_output_dir(out, force=force) as tmp:
+        with atomic_output_dir(out, force=force, size=reader.total_bytes) as tmp:
             # shards no larger than the source's largest: the same number of files or close
             with ShardedWriter(tmp, planned, max_shard_bytes=max(per_file.values())) as writer:
                 for m in metas:

@@ -48,9 +48,70 @@ def test_enospc_while_writing_names_output_and_sizes(recipe, tmp_path, monkeypat
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(writer.os, "pwrite", full)
-    code, text = cli("build", recipe, tmp_path / "deep" / "out")
-    assert code == 1 and "no space left" in text and "MiB more" in text and "free" in text, text
+    out = tmp_path / "deep" / "out"
+    code, text = cli("build", recipe, out)
+    assert code == 1 and f"no space left for {out} (No space left on device)" in text, text
+    assert "MiB more" in text and "MiB are free" in text and "left behind" in text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]
+
+
+def test_enospc_after_the_weights_names_output_and_sizes(recipe, tmp_path, monkeypatch):
+    """A bare ENOSPC from any file of the output (here the tokenizer copy)."""
+    real_copy = shutil.copy2
+
+    def full(src, dst, **kwargs):
+        if Path(src).name == "tokenizer.json":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+        return real_copy(src, dst, **kwargs)
+
+    monkeypatch.setattr(shutil, "copy2", full)
+    out = tmp_path / "out"
+    code, text = cli("build", recipe, out)
+    expected = f"no space left for {out} (No space left on device) while writing tokenizer.json"
+    assert code == 1 and expected in text, text
+    assert "MiB more" in text and "MiB are free" in text and "left behind" in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]
+
+
+FINETUNE = ["--seq-len", "16", "--batch-size", "2", "--steps", "2", "--save-every", "1", "-q"]
+
+
+def test_finetune_checks_space_before_training(tiny_moe, train_text, tmp_path, monkeypatch):
+    from moemerge.train import loop
+
+    def never(*args, **kwargs):
+        raise AssertionError("training started")
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(loop, "run", never)
+    out = tmp_path / "out"
+    code, text = cli("finetune", tiny_moe, out, "--data", train_text, *FINETUNE)
+    assert code == 1 and f"not enough space for {out} and 3 training checkpoints" in text, text
+    assert "needs about" in text and "MiB free" in text
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("error", [
+    OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+    RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed "
+                 "writing file data/3: file write failed"),
+])
+def test_finetune_checkpoint_on_a_full_disk(tiny_moe, train_text, tmp_path, monkeypatch, error):
+    import torch
+
+    def full(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(torch, "save", full)
+    out = tmp_path / "out"
+    code, text = cli("finetune", tiny_moe, out, "--data", train_text, *FINETUNE)
+    step = f"{out}.checkpoints/step-1"
+    assert code == 1 and "Traceback" not in text, text
+    assert (f"no space left for {step} (No space left on device)" in text
+            if isinstance(error, OSError) else f"cannot write the checkpoint {step} (" in text)
+    assert "MiB more" in text and "MiB are free" in text and "left behind" in text, text
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_file_size_limit_is_a_clean_error(recipe, tmp_path):

@@ -44,8 +44,8 @@ def test_outputs_honour_the_umask(model_factory, tmp_path, umask, mask, mode):
     umask(mask)
     build(recipe, tmp_path / "out", progress=False, verify="structure")
     assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == mode
-    weights = tmp_path / "out" / "model.safetensors"
-    assert stat.S_IMODE(weights.stat().st_mode) == 0o666 & ~mask & 0o644
+    for name in ("model.safetensors", "config.json"):  # weights like every other file
+        assert stat.S_IMODE((tmp_path / "out" / name).stat().st_mode) == 0o666 & ~mask, name
 
 
 def test_half_made_toy_sets_of_dead_processes_are_swept(tmp_path):

@@ -82,3 +82,16 @@ def test_non_utf8_jsonl_in_finetune_exits_2(tiny_moe, tmp_path):
     (tmp_path / "d.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
     code, text = cli("finetune", tiny_moe, tmp_path / "out", "--data", tmp_path / "d.jsonl", "-q")
     assert code == 2 and "d.jsonl" in text and "UTF-8" in text, text
+
+
+def test_deeply_nested_jsonl_is_a_data_error(tiny_moe, tmp_path):
+    """json.loads raises RecursionError on a line nested 100k deep: a data error naming the
+    file and the line, for finetune, inspect --data and route alike."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "fine"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+    for args in (["finetune", tiny_moe, tmp_path / "out", "--data", data, "-q"],
+                 ["inspect", tiny_moe, "--data", data, "--label-field", "text"],
+                 ["route", tiny_moe, data]):
+        code, text = cli(*args)
+        assert code == 2 and f"{data}:2: the JSON is nested too deeply" in text, (args, text)
+    assert not (tmp_path / "out").exists()

@@ -23,26 +23,25 @@ def cli(*args):
     return result.exit_code, " ".join(result.output.split())
 
 
-def indexed(src, dst, shard_ref):
-    """A copy of `src` whose index maps every tensor to `shard_ref` (a path as written)."""
-    shutil.copytree(src, dst)
-    names = list(CheckpointReader(src).metas)
-    index = {"metadata": {}, "weight_map": dict.fromkeys(names, shard_ref)}
-    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
-    return dst
+def escaping(src, tmp_path, how):
+    """A copy tmp_path/m of model `src` whose weights lie outside it, reached through an index
+    entry (`../elsewhere.safetensors`, or its absolute path) or a symlinked shard."""
+    outside = shutil.copy(src / "model.safetensors", tmp_path / "elsewhere.safetensors")
+    model = shutil.copytree(src, tmp_path / "m")
+    (model / "model.safetensors").unlink()  # transformers would prefer it to an index
+    if how == "symlink":
+        (model / "model.safetensors").symlink_to(outside)
+        return model
+    ref = "../elsewhere.safetensors" if how == "dotdot" else str(outside)
+    index = {"metadata": {}, "weight_map": dict.fromkeys(CheckpointReader(src).metas, ref)}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    return model
 
 
 @pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink"])
 def test_weights_outside_the_model_directory_are_refused(model_factory, tmp_path, how):
     base = model_factory("llama")
-    outside = shutil.copy(base / "model.safetensors", tmp_path / "elsewhere.safetensors")
-    if how == "symlink":
-        model = shutil.copytree(base, tmp_path / "m")
-        (model / "model.safetensors").unlink()
-        (model / "model.safetensors").symlink_to(outside)
-    else:
-        ref = "../elsewhere.safetensors" if how == "dotdot" else str(outside)
-        model = indexed(base, tmp_path / "m", ref)
+    model = escaping(base, tmp_path, how)
     recipe = write_recipe(tmp_path / "r.yaml", f"kind: merge\nmodels: [{base}, {model}]\n")
     code, text = cli("build", recipe, tmp_path / "out")
     assert code == 1 and "outside the model directory" in text, text
@@ -75,16 +74,21 @@ def test_finetune_copy_refuses_symlinked_directories(tmp_path):
         _copy_side_files(model, tmp_path / "out")
 
 
-def test_hub_snapshot_links_into_the_blob_store_are_allowed(model_factory, tmp_path):
-    """The layout huggingface_hub makes: snapshots/<rev>/<file> -> ../../blobs/<hash>."""
-    base = model_factory("llama")
+def hub_snapshot(model, tmp_path):
+    """`model` laid out as huggingface_hub caches it: snapshots/<rev>/<file> ->
+    ../../blobs/<hash>."""
     repo = tmp_path / "hub" / "models--org--tiny"
     (repo / "blobs").mkdir(parents=True)
     snapshot = repo / "snapshots" / "abc123"
     snapshot.mkdir(parents=True)
-    for i, file in enumerate(sorted(p for p in base.iterdir() if p.is_file())):
+    for i, file in enumerate(sorted(p for p in model.iterdir() if p.is_file())):
         shutil.copy(file, repo / "blobs" / f"blob{i}")
         os.symlink(f"../../blobs/blob{i}", snapshot / file.name)
+    return snapshot
+
+
+def test_hub_snapshot_links_into_the_blob_store_are_allowed(model_factory, tmp_path):
+    snapshot = hub_snapshot(model_factory("llama"), tmp_path)
     with CheckpointReader(snapshot) as reader:
         assert reader.read("model.embed_tokens.weight").shape[0] > 0
     (tmp_path / "out").mkdir()
@@ -93,3 +97,32 @@ def test_hub_snapshot_links_into_the_blob_store_are_allowed(model_factory, tmp_p
     (tmp_path / "hub" / "elsewhere").write_text("{}")
     with pytest.raises(CheckpointError, match="vocab.json .*outside"):
         copy_side_files(snapshot, tmp_path / "out", SIDE_FILES)
+
+
+@pytest.fixture(scope="module")
+def seq_moe(model_factory, tmp_path_factory):
+    """A tiny sequence-routed MoE: both `route` and `inspect --data` load it."""
+    root = tmp_path_factory.mktemp("seq")
+    base = model_factory("llama")
+    recipe = write_recipe(root / "r.yaml", f"kind: moe\nassembly: seq_routed\nbase_model: "
+                          f"{base}\nexperts: [{base}, {base}]\nexperts_per_sequence: 1\n")
+    assert cli("build", recipe, root / "moe", "--verify", "structure")[0] == 0
+    return root / "moe"
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink"])
+def test_transformers_loads_are_confined_too(seq_moe, tmp_path, train_text, how):
+    """`route` and `inspect --data` load through transformers, not CheckpointReader: the same
+    confinement holds before transformers reads anything."""
+    model = escaping(seq_moe, tmp_path, how)
+    for args in (["route", model, train_text], ["inspect", model, "--data", f"code={train_text}"]):
+        code, text = cli(*args)
+        assert code == 1 and "outside the model directory" in text, (args, text)
+
+
+def test_transformers_loads_a_hub_snapshot(seq_moe, tmp_path):
+    """The blob-store allowance holds for transformers loads as well."""
+    from moemerge.modeling import load_pretrained
+
+    model = load_pretrained("AutoModelForCausalLM", hub_snapshot(seq_moe, tmp_path))
+    assert model.config.num_experts == 2

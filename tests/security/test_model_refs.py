@@ -32,8 +32,22 @@ def test_override_layers_beyond_the_model_warn(model_factory, tmp_path):
                           "    - {layers: [1, 7], method: base}\n")
     code, text = cli("build", recipe, "--dry-run")
     assert code == 0, text
-    assert "merge.overrides[1].layers: [7] beyond the model's 2 layers" in text
+    assert "merge.overrides[1].layers: [7] beyond the output's 2 layers" in text
     assert "overrides[0]" not in text
+
+
+def test_override_layers_of_a_slices_merge_count_the_output_layers(model_factory, tmp_path):
+    base = model_factory("llama")  # 2 layers; the slices stack 3
+    recipe = write_recipe(tmp_path / "r.yaml", f"kind: merge\nslices:\n"
+                          f"  - {{model: {base}, layers: [0, 2]}}\n"
+                          f"  - {{model: {base}, layers: [1, 2]}}\n"
+                          "merge:\n  method: passthrough\n  overrides:\n"
+                          "    - {layers: [2], method: passthrough}\n"
+                          "    - {layers: [3], method: passthrough}\n")
+    code, text = cli("build", recipe, "--dry-run")
+    assert code == 0, text
+    assert "merge.overrides[1].layers: [3] beyond the output's 3 layers (0..2)" in text, text
+    assert "overrides[0]" not in text  # layer 2 exists in the output, not in the inputs
 
 
 @pytest.mark.parametrize("ref", ["r.yaml", "model.safetensors", "local/name", "weights.bin"])
