@@ -73,8 +73,11 @@ class UpcycledFFNs:
                 for c in range(recipe.experts):
                     for j in range(m):
                         self.parts[self.name(name, c, j)] = _Part(name, role.proj, role.layer, c, j)
+        # the last dense tensor and the last copy of it: a plan reads the m slices of each of
+        # the N copies of one dense tensor in a row, so each dense tensor is read once
+        self._dense: tuple[str, torch.Tensor] | None = None
         self._cache: tuple[tuple[str, int], torch.Tensor] | None = None
-        self._lock = threading.Lock()  # one copy cached: reads of its m slices share it
+        self._lock = threading.Lock()
 
     @staticmethod
     def name(dense: str, copy: int, slice_: int) -> str:
@@ -101,11 +104,13 @@ class UpcycledFFNs:
         units = slice(part.slice * self.width, (part.slice + 1) * self.width)
         if part.proj == "down":  # ×m: the m slices of a copy share its router weight (above)
             return (full[:, units] * m).contiguous()
-        return full[units].contiguous()
+        return full[units].clone()  # its own memory: never a view of the cached copy
 
     def _copy(self, part: _Part) -> torch.Tensor:
         """Copy `part.copy` of one dense FFN tensor: re-initialised units, then noise."""
-        weight = self.dense.reader.read(part.dense).float()
+        if self._dense is None or self._dense[0] != part.dense:
+            self._dense = (part.dense, self.dense.reader.read(part.dense).float())
+        weight = self._dense[1]  # never modified in place: the next copy starts from it
         axis = 1 if part.proj == "down" else 0  # the intermediate units' axis
         units = self.reinit_units(part.layer, part.copy)
         if len(units):

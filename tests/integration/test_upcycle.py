@@ -144,3 +144,15 @@ def test_same_recipe_same_bytes_and_the_output_generates(dense, tmp_path):
 def test_granularity_must_divide_the_intermediate_size(dense, tmp_path):
     with pytest.raises(RecipeError, match="granularity: 3 does not divide .* 64"):
         upcycle(tmp_path, dense("llama"), granularity=3)
+
+
+def test_each_dense_ffn_tensor_is_read_once(dense, tmp_path, monkeypatch):
+    """N·m expert slices of a tensor come from one read of it (I/O stays that of one model)."""
+    from moemerge.io.reader import CheckpointReader
+
+    reads, original = [], CheckpointReader.read
+    monkeypatch.setattr(CheckpointReader, "read",
+                        lambda self, name: reads.append(name) or original(self, name))
+    upcycle(tmp_path, dense("llama"), granularity=2, reinit="{ratio: 0.5}")
+    ffn = [n for n in reads if ".mlp." in n]
+    assert len(ffn) == len(set(ffn)) == 2 * 3  # 2 layers × gate, up, down
