@@ -168,8 +168,8 @@ def build(
     if tune is not None:
         if not isinstance(recipe, MergeRecipe | MoERecipe):
             raise RecipeError(f"--tune-on: only kind: merge and token-routed kind: moe recipes "
-                              f"have a merge to tune; {recipe_path} is {recipe.kind} "
-                              f"({getattr(recipe, 'assembly', 'dense')})")
+                              f"have a merge to tune; {recipe_path} is kind: {recipe.kind}"
+                              + (f" ({recipe.assembly})" if hasattr(recipe, "assembly") else ""))
         if dry_run or out is None:
             raise RecipeError("--tune-on builds the model to score it; it cannot be a dry run")
         check_options(tune)

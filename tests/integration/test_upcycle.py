@@ -156,3 +156,12 @@ def test_each_dense_ffn_tensor_is_read_once(dense, tmp_path, monkeypatch):
     upcycle(tmp_path, dense("llama"), granularity=2, reinit="{ratio: 0.5}")
     ffn = [n for n in reads if ".mlp." in n]
     assert len(ffn) == len(set(ffn)) == 2 * 3  # 2 layers × gate, up, down
+
+
+def test_tune_on_is_refused_naming_the_kind(dense, tmp_path):
+    from moemerge.tune import TuneOptions
+
+    recipe = write_recipe(tmp_path / "r.yaml", f"kind: upcycle\nmodel: {dense('llama')}\n"
+                          "experts: 2\n")
+    with pytest.raises(RecipeError, match=r"r.yaml is kind: upcycle$"):
+        build(recipe, tmp_path / "out", tune=TuneOptions(tmp_path / "held_out.txt"))
