@@ -36,10 +36,12 @@ from moemerge.plan.merged import plan_merged_experts
 from moemerge.plan.params import override_layer_warnings
 from moemerge.plan.sequence import plan_bridged, plan_seq_routed
 from moemerge.plan.sources import SourceModel, check_shared_vocabulary, open_sources
+from moemerge.plan.upcycle import plan_upcycle, upcycle_sources
 from moemerge.recipe.load import AnyRecipe, load_recipe, parse_recipe
 from moemerge.recipe.merged import MergedExpertsRecipe
 from moemerge.recipe.models import MergeRecipe, MoERecipe
 from moemerge.recipe.sequence import BridgedRecipe, SeqRoutedRecipe
+from moemerge.recipe.upcycle import UpcycleRecipe
 from moemerge.tune import (
     TUNING_FILE,
     Candidate,
@@ -72,7 +74,7 @@ def _labelled_refs(recipe: AnyRecipe) -> list[tuple[str, object]]:
         refs.append(("base", recipe.base_model))
     if getattr(recipe, "reference", None) is not None:
         refs.append(("reference", recipe.reference))
-    inputs = recipe.inputs if isinstance(recipe, MergeRecipe) else recipe.experts
+    inputs = recipe.inputs if isinstance(recipe, MergeRecipe | UpcycleRecipe) else recipe.experts
     for ref in inputs:
         label = getattr(ref, "name", None) or Path(ref.model.rstrip("/")).name
         taken = {lab for lab, _ in refs}
@@ -89,6 +91,8 @@ def make_plan(recipe: AnyRecipe, models: list[SourceModel]) -> Plan:
         return plan_bridged(recipe, models)
     if isinstance(recipe, MergedExpertsRecipe):
         return plan_merged_experts(recipe, models)
+    if isinstance(recipe, UpcycleRecipe):
+        return plan_upcycle(recipe, models)
     return plan_token_routed(recipe, models)
 
 
@@ -100,8 +104,14 @@ def _tokenizer_source(recipe: AnyRecipe, models: list[SourceModel]) -> SourceMod
 
 
 def _router_maker(recipe: AnyRecipe, models: list[SourceModel]):
-    from moemerge.routing.routers import RouterFactory, SequenceRouterFactory
+    from moemerge.routing.routers import (
+        RouterFactory,
+        SequenceRouterFactory,
+        UpcycleRouterFactory,
+    )
 
+    if isinstance(recipe, UpcycleRecipe):
+        return UpcycleRouterFactory(recipe, models[0].config).make
     if isinstance(recipe, MoERecipe):
         base = models[0]
         return RouterFactory(recipe, base.path, base.config, lambda: _embed_and_norms(base)).make
@@ -159,8 +169,8 @@ def build(
     if tune is not None:
         if not isinstance(recipe, MergeRecipe | MoERecipe):
             raise RecipeError(f"--tune-on: only kind: merge and token-routed kind: moe recipes "
-                              f"have a merge to tune; {recipe_path} is {recipe.kind} "
-                              f"({getattr(recipe, 'assembly', 'dense')})")
+                              f"have a merge to tune; {recipe_path} is kind: {recipe.kind}"
+                              + (f" ({recipe.assembly})" if hasattr(recipe, "assembly") else ""))
         if dry_run or out is None:
             raise RecipeError("--tune-on builds the model to score it; it cannot be a dry run")
         check_options(tune)
@@ -170,6 +180,8 @@ def build(
             _labelled_refs(recipe), recipe_path.parent, allow_pickle=allow_pickle, stack=stack,
             check=check_shared_vocabulary if isinstance(recipe, BridgedRecipe) else None,
         )
+        if isinstance(recipe, UpcycleRecipe):  # the experts' FFN slices, made when read
+            models = upcycle_sources(recipe, models)
         plan = make_plan(recipe, models)
         for message in [*_override_warnings(recipe, models, plan), *plan.notes]:
             warn(message)

@@ -9,6 +9,7 @@ from moemerge.plan.jobs import Plan
 from moemerge.recipe.merged import MergedExpertsRecipe
 from moemerge.recipe.models import MergeRecipe, MoERecipe
 from moemerge.recipe.sequence import BridgedRecipe, SeqRoutedRecipe
+from moemerge.recipe.upcycle import UpcycleRecipe
 
 USAGE = ("Load it with `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`: "
          "the modeling code (`*_moemerge.py`) is next to the weights.")
@@ -48,8 +49,20 @@ def _merged_card(recipe: MergedExpertsRecipe):
     return bases, what, details
 
 
+def _upcycle_card(recipe: UpcycleRecipe, plan: Plan):
+    what = (f"a token-routed Mixture-of-Experts ({plan.config['architectures'][0]}) upcycled "
+            f"from the dense `{recipe.model.model}`: {recipe.experts} copies of its FFN, each "
+            f"split into {recipe.granularity} slices ({recipe.num_experts} experts, "
+            f"{recipe.top_k} per token)")
+    details = [f"Router init `{recipe.router.init}`; Drop-Upcycling re-initialisation ratio "
+               f"{recipe.reinit.ratio:g}; noise std {recipe.noise:g}."]
+    return [recipe.model.model], what, details
+
+
 def model_card(recipe, plan: Plan, recipe_text: str) -> str:
-    if isinstance(recipe, SeqRoutedRecipe | BridgedRecipe):
+    if isinstance(recipe, UpcycleRecipe):
+        bases, what, details = _upcycle_card(recipe, plan)
+    elif isinstance(recipe, SeqRoutedRecipe | BridgedRecipe):
         bases, what, details = _sequence_card(recipe, plan)
     elif isinstance(recipe, MergedExpertsRecipe):
         bases, what, details = _merged_card(recipe)

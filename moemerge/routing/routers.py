@@ -43,6 +43,22 @@ class RouterFactory:
         return self._rows[job.layer]
 
 
+class UpcycleRouterFactory:
+    """Routers of `kind: upcycle` [N·m, H]: random, or virtual_group (one random row per copy,
+    repeated for its m slices, so a copy's slices start with equal logits; plan/upcycle.py)."""
+
+    def __init__(self, recipe, config: dict):
+        self.recipe = recipe
+        self.std = recipe.router.std or config.get("initializer_range", 0.02)
+
+    def make(self, job: Job, load: Load) -> torch.Tensor:
+        recipe = self.recipe
+        if recipe.router.init == "random":
+            return random_router(job.shape, self.std, recipe.seed, job.output)
+        rows = random_router((recipe.experts, job.shape[1]), self.std, recipe.seed, job.output)
+        return rows.repeat_interleave(recipe.granularity, dim=0)
+
+
 class SequenceRouterFactory:
     """The sequence router [N, d_m] of seq_routed / bridged models: it reads the mean token
     embedding, so the prompts init is each expert's prompts' mean embedding (in the experts'

@@ -141,3 +141,30 @@ def test_sequence_kinds_take_their_defaults():
 def test_sequence_kind_errors_name_their_field(data, message):
     errors = recipe_errors(data)
     assert any(message in e for e in errors), errors
+
+
+UPCYCLE = {"kind": "upcycle", "model": "dense", "experts": 4}
+
+
+def test_upcycle_defaults():
+    from moemerge.recipe.upcycle import UpcycleRecipe
+
+    recipe = parse_recipe({**UPCYCLE, "granularity": 2})
+    assert isinstance(recipe, UpcycleRecipe) and recipe.model.model == "dense"
+    assert (recipe.num_experts, recipe.top_k, recipe.router.init, recipe.reinit.ratio,
+            recipe.noise) == (8, 4, "virtual_group", 0.0, 0.0)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"experts_per_token": 5}, "experts_per_token: 5 is larger than the number of experts (4)"),
+    ({"reinit": {"ratio": 1.5}}, "reinit.ratio: Input should be less than or equal to 1"),
+    ({"reinit": {"ratio": -0.1}}, "reinit.ratio: Input should be greater than or equal to 0"),
+    ({"noise": float("nan")}, "noise: Input should be a finite number"),
+    ({"router": {"init": "random", "std": float("inf")}}, "router.std: Input should be a finite"),
+    ({"granularity": 0}, "granularity: Input should be greater than or equal to 1"),
+    ({"experts": 0}, "experts: Input should be greater than or equal to 1"),
+    ({"router": {"init": "prompts"}}, "router.init: Input should be 'random' or 'virtual_group'"),
+    ({"base_model": "x"}, "base_model: unknown field"),
+])
+def test_upcycle_errors_name_the_field(fields, message):
+    assert message in "\n".join(recipe_errors({**UPCYCLE, **fields}))

@@ -1,0 +1,60 @@
+"""`kind: upcycle`: one dense model becomes an MoE of N copies of its FFN (docs/recipes.md)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from moemerge.recipe.models import ModelRef, Strict, _RecipeBase, _refs_from_str
+
+
+class UpcycleRouter(Strict):
+    # virtual_group: the m slices of one copy start with identical logits, so they are chosen
+    # together and the start reproduces the dense model at any granularity (docs/recipes.md)
+    init: Literal["random", "virtual_group"] = "virtual_group"
+    std: float | None = Field(default=None, gt=0.0, description="Std of the random rows.")
+
+
+class Reinit(Strict):
+    """Drop-Upcycling: per copy, a random fraction `ratio` of the intermediate units (the same
+    units of gate, up and down) is drawn again from N(mean, std) of the dense tensor."""
+
+    ratio: float = Field(default=0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(default=None, description="Defaults to the recipe's seed.")
+
+
+class UpcycleRecipe(_RecipeBase):
+    kind: Literal["upcycle"]
+    model: ModelRef
+    experts: int = Field(ge=1, le=4096, description="Copies of the dense FFN.")
+    granularity: int = Field(default=1, ge=1, description="Slices per copy, along the "
+                             "intermediate dimension: experts × granularity fine-grained experts.")
+    experts_per_token: int = Field(default=2, ge=1, description="Copies chosen per token; "
+                                   "the router picks experts_per_token × granularity slices.")
+    router: UpcycleRouter = UpcycleRouter()
+    reinit: Reinit = Reinit()
+    noise: float = Field(default=0.0, ge=0.0, description="Std of Gaussian noise added to "
+                         "each copy's FFN weights.")
+
+    _model_ref = field_validator("model", mode="before")(_refs_from_str)
+
+    @property
+    def inputs(self) -> list[ModelRef]:
+        return [self.model]
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts * self.granularity
+
+    @property
+    def top_k(self) -> int:
+        return self.experts_per_token * self.granularity
+
+    @model_validator(mode="after")
+    def _inputs_usable(self) -> UpcycleRecipe:
+        """Replaces the base check (`experts` is a count here, not a list of models)."""
+        if self.experts_per_token > self.experts:
+            raise ValueError(f"experts_per_token: {self.experts_per_token} is larger than the "
+                             f"number of experts ({self.experts})")
+        return self
