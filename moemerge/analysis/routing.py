@@ -28,7 +28,8 @@ from moemerge.errors import CheckpointError, RecipeError
 from moemerge.eval.perplexity import perplexity
 from moemerge.io.atomic import RECIPE_COPY
 from moemerge.io.reader import read_config
-from moemerge.modeling import is_merged_experts, is_sequence_routed, load_pretrained
+from moemerge.loading import load_pretrained
+from moemerge.modeling import is_merged_experts, is_sequence_routed
 from moemerge.recipe.load import safe_yaml
 
 SCHEMA = "moemerge.routing/1"  # bump when a key changes meaning or disappears (docs/inspect.md)

@@ -26,7 +26,8 @@ def bake_curvature(model_dir: Path, out: Path, *, force: bool = False,
                    max_shard_bytes: int = 5 * 10**9) -> list[str]:
     """Write the baked model to `out` (atomically); return the names of the baked tensors."""
     from moemerge.assemble.remote_code import copy_modeling_code
-    from moemerge.modeling import is_merged_experts, load_pretrained
+    from moemerge.loading import load_pretrained
+    from moemerge.modeling import is_merged_experts
 
     model_dir, out = Path(model_dir), Path(out)
     config = read_config(model_dir)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from moemerge.errors import OutputError
 from moemerge.io.reader import CheckpointReader
-from moemerge.modeling import load_pretrained
+from moemerge.loading import load_pretrained
 from moemerge.plan.jobs import Plan
 
 FULL_LOAD_LIMIT = 2 * 2**30  # bytes; above this only the structure is checked by default

@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from moemerge.errors import CheckpointError
-from moemerge.modeling import load_pretrained
+from moemerge.loading import load_pretrained
 
 ModelRef = Path | str | torch.nn.Module | tuple  # a path, a model, or (model, tokenizer)
 

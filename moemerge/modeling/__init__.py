@@ -30,31 +30,6 @@ def register() -> None:
         AutoModelForCausalLM.register(config, model, exist_ok=True)
 
 
-def load_pretrained(auto_class: str, path, *, trust_remote_code: bool = False, **kwargs):
-    """`transformers.<auto_class>.from_pretrained(path)` under moemerge's rules: its own kinds
-    with the installed code, no Python from the model directory unless `trust_remote_code`
-    (passed explicitly, so transformers never asks on stdin), no file from outside a local
-    model directory (CheckpointError: an index entry or a symlink pointing out), and every
-    other failure to load as an OSError or ValueError (a malformed tokenizer.json raises the
-    tokenizers library's own exception class) for the caller to report."""
-    from pathlib import Path
-
-    import transformers
-
-    from moemerge.io.reader import check_model_dir_confined
-
-    if Path(path).is_dir():
-        check_model_dir_confined(Path(path))
-    register()
-    try:
-        return getattr(transformers, auto_class).from_pretrained(
-            path, trust_remote_code=trust_remote_code, **kwargs)
-    except (OSError, ValueError):
-        raise
-    except Exception as exc:  # whatever a broken file makes a loader raise
-        raise ValueError(f"{type(exc).__name__}: {str(exc)[:500]}") from exc
-
-
 def _model_type(config) -> str | None:
     """model_type of a config.json dict or a config object."""
     if isinstance(config, dict):

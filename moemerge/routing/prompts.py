@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from moemerge.errors import CheckpointError
-from moemerge.modeling import load_pretrained
+from moemerge.loading import load_pretrained
 from moemerge.recipe.models import ExpertRef
 from moemerge.routing.init import contrast_rows
 

@@ -18,7 +18,8 @@ from moemerge.errors import CheckpointError, OutputError, RecipeError
 from moemerge.io.atomic import check_free_space, sweep_output, sweep_stale
 from moemerge.io.paths import check_output_apart, working_directory
 from moemerge.io.reader import CheckpointReader
-from moemerge.modeling import is_merged_experts, is_sequence_routed, load_pretrained
+from moemerge.loading import load_pretrained
+from moemerge.modeling import is_merged_experts, is_sequence_routed
 from moemerge.train import checkpoint, distributed, loop, report, sharding
 from moemerge.train.config import TrainConfig
 from moemerge.train.data import Blocks, collect_texts, make_blocks

@@ -122,7 +122,7 @@ def test_transformers_loads_are_confined_too(seq_moe, tmp_path, train_text, how)
 
 def test_transformers_loads_a_hub_snapshot(seq_moe, tmp_path):
     """The blob-store allowance holds for transformers loads as well."""
-    from moemerge.modeling import load_pretrained
+    from moemerge.loading import load_pretrained
 
     model = load_pretrained("AutoModelForCausalLM", hub_snapshot(seq_moe, tmp_path))
     assert model.config.num_experts == 2
