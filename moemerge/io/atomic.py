@@ -11,7 +11,9 @@ import errno
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -138,20 +140,15 @@ def atomic_output_dir(out: Path, *, force: bool = False, size: int | None = None
     if size is not None:
         check_free_space(out, size)
     created = _make_parents(out.parent)
+    tmp = None
     try:
-        sweep_output(out)
-        tmp = owned_tempdir(out.parent, f".{out.name}.{TMP_TAG}")
-    except OSError as exc:
-        _remove_created(created)
-        if exc.errno in NO_SPACE:
-            raise NoSpaceLeft(out, exc.strerror, "creating it", _needed(size, 0),
-                              cleaned=True) from None
-        raise OutputError(f"cannot create the output {out}: {exc.strerror} "
-                          f"({exc.filename or out.parent})") from None
-    try:
+        with deferred_signals():  # Ctrl-C / SIGTERM land once `tmp` is known, inside this try
+            tmp = _create_tmp(out, created, size)
         yield tmp
         fsync_tree(tmp)
     except BaseException as exc:  # KeyboardInterrupt too: nothing half-written may stay behind
+        if tmp is None:  # creating it failed; _create_tmp cleaned up
+            raise
         full = _no_space(out, tmp, exc, size)  # before the cleanup frees what was written
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_created(created)
@@ -160,6 +157,33 @@ def atomic_output_dir(out: Path, *, force: bool = False, size: int | None = None
         raise
     _install(tmp, out, force)
     fsync_dir(out.parent)
+
+
+def _create_tmp(out: Path, created: list[Path], size: int | None) -> Path:
+    try:
+        sweep_output(out)
+        return owned_tempdir(out.parent, f".{out.name}.{TMP_TAG}")
+    except OSError as exc:
+        _remove_created(created)
+        if exc.errno in NO_SPACE:
+            raise NoSpaceLeft(out, exc.strerror, "creating it", _needed(size, 0),
+                              cleaned=True) from None
+        raise OutputError(f"cannot create the output {out}: {exc.strerror} "
+                          f"({exc.filename or out.parent})") from None
+
+
+@contextmanager
+def deferred_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM held back (delivered when the block ends) in the main thread, so a
+    temporary directory is never made without its owner knowing its name."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _no_space(out: Path, tmp: Path, exc: BaseException, size: int | None) -> NoSpaceLeft | None:

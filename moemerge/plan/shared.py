@@ -42,24 +42,43 @@ def shared_expert_jobs(recipe: MoERecipe, layout: MoELayout, base: SourceModel, 
     """The shared expert's projections and its gate in `layer` (none if the layout has none)."""
     if layout.shared_expert is None or layout.shared_expert_gate is None:
         return []
-    hidden = base.config["hidden_size"]
-    ffn = sorted((r.proj, n) for n, r in base.roles.items() if r.layer == layer and r.role == "ffn")
+    if recipe.shared_expert == "none":
+        return zeroed_shared_expert(layout, base, layer, dtype)
     jobs = []
-    for proj, name in ffn:
+    for proj, name in _ffn(base, layer):
         output = layout.shared_name(layer, proj)
-        if recipe.shared_expert == "none":
-            shape = (hidden, 1) if proj == "down" else (1, hidden)
-            jobs.append(Job(output, shape, dtype, "zeros", "ffn", layer))
-            continue
         shape = base.reader.meta(name).shape
         if recipe.shared_expert == "base":
             jobs.append(Job(output, shape, dtype, "copy", "ffn", layer, (Source(0, name),)))
         else:  # the experts' FFN average, with the recipe's expert weights
             jobs.append(merge_job(name, "ffn", layer, shape, dtype, MergeSpec(), experts,
                                   [e.weight for e in recipe.experts], None, output=output))
-    jobs.append(Job(layout.shared_expert_gate.format(layer=layer), (1, hidden), dtype, "random",
-                    "ffn", layer, std=GATE_SCALE / math.sqrt(hidden)))
-    return jobs
+    return [*jobs, _gate(layout, base, layer, dtype)]
+
+
+def zeroed_shared_expert(layout: MoELayout, base: SourceModel, layer: int,
+                         dtype) -> list[Job]:
+    """A shared expert of width 1 and all zeros (its output is 0, so the logits are the routed
+    experts' alone) behind a gate that is never exactly zero (llama.cpp); none if the layout has
+    no shared expert."""
+    if layout.shared_expert is None or layout.shared_expert_gate is None:
+        return []
+    hidden = base.config["hidden_size"]
+    jobs = [Job(layout.shared_name(layer, proj), (hidden, 1) if proj == "down" else (1, hidden),
+                dtype, "zeros", "ffn", layer) for proj, _ in _ffn(base, layer)]
+    return [*jobs, _gate(layout, base, layer, dtype)]
+
+
+def _ffn(base: SourceModel, layer: int) -> list[tuple[str, str]]:
+    """(projection, tensor name) of the base's FFN in `layer`."""
+    return sorted((r.proj, n) for n, r in base.roles.items()
+                  if r.layer == layer and r.role == "ffn")
+
+
+def _gate(layout: MoELayout, base: SourceModel, layer: int, dtype) -> Job:
+    hidden = base.config["hidden_size"]
+    return Job(layout.shared_expert_gate.format(layer=layer), (1, hidden), dtype, "random", "ffn",
+               layer, std=GATE_SCALE / math.sqrt(hidden))
 
 
 def shared_expert_width(recipe: MoERecipe, base: SourceModel) -> int:

@@ -29,6 +29,7 @@ from moemerge.errors import RecipeError
 from moemerge.merge.primitives import generator_for
 from moemerge.plan.build import _refuse_unsupported_tensors, output_dtype, write_order
 from moemerge.plan.jobs import Job, Plan, Source
+from moemerge.plan.shared import zeroed_shared_expert
 from moemerge.plan.sources import SourceModel
 from moemerge.recipe.upcycle import UpcycleRecipe
 
@@ -169,10 +170,7 @@ def plan_upcycle(recipe: UpcycleRecipe, models: list[SourceModel]) -> Plan:
             layers_done.add(role.layer)
             jobs.append(Job(layout.router_name(role.layer), (recipe.num_experts, hidden), dtype,
                             "router", "router", role.layer, router_init=recipe.router.init))
-            for pattern, dims in layout.shared_expert.items():  # Qwen2-MoE: zeros, width 1
-                shape = tuple({"hidden": hidden, "shared": 1}.get(d, d) for d in dims)
-                jobs.append(Job(pattern.format(layer=role.layer), shape, dtype, "zeros", "ffn",
-                                role.layer))
+            jobs += zeroed_shared_expert(layout, dense, role.layer, dtype)  # Qwen2-MoE
         for c in range(recipe.experts):
             for j in range(m):
                 part = view.name(name, c, j)

@@ -25,6 +25,7 @@ from moemerge.errors import CheckpointError, OutputError, RecipeError
 from moemerge.io.atomic import (
     NO_SPACE,
     NoSpaceLeft,
+    deferred_signals,
     fsync_dir,
     fsync_tree,
     owned_tempdir,
@@ -73,9 +74,10 @@ def save(root: Path, step: int, state: dict, keep: int) -> Path:
     """Write step-`step` atomically (temp dir, then rename) and keep only the last `keep`."""
     root.mkdir(parents=True, exist_ok=True)
     sweep_stale(root, TMP_PREFIX)  # left by a killed run
-    tmp = owned_tempdir(root, f".step-{step}.tmp-")
-    final = root / f"step-{step}"
+    final, tmp = root / f"step-{step}", None
     try:
+        with deferred_signals():  # Ctrl-C / SIGTERM land once `tmp` is known, inside this try
+            tmp = owned_tempdir(root, f".step-{step}.tmp-")
         torch.save({**state, "step": step}, tmp / STATE)
         fsync_tree(tmp)
         if final.exists():
@@ -84,7 +86,8 @@ def save(root: Path, step: int, state: dict, keep: int) -> Path:
         fsync_dir(root)
     except BaseException as exc:
         failed = _write_error(final, exc, state)  # before the cleanup frees what was written
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         if not any(root.iterdir()):  # made for this checkpoint
             root.rmdir()
         if failed is not None:
