@@ -109,8 +109,7 @@ def run_jobs(
         make_router = _serialised(make_router)
 
     def prefetch(job: Job) -> dict[Source, torch.Tensor]:
-        sources = [*job.sources, *([job.base] if job.base is not None else [])]
-        return {s: load(s) for s in sources}
+        return {s: load(s) for s in job.inputs}
 
     with (
         ThreadPoolExecutor(1, "moemerge-read") as reads,

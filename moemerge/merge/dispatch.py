@@ -8,8 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from moemerge.merge import blocks as row_blocks_module
-from moemerge.merge.blocks import merge_in_blocks, row_blocks
+from moemerge.merge import blocks
 from moemerge.merge.methods import Weights, weights_of
 from moemerge.merge.registry import MethodSpec, all_params, get
 
@@ -63,10 +62,10 @@ def merge(method: str, *, base: Tensor | None, tensors: Sequence[Tensor], weight
     kwargs = call_arguments(spec, params)
     if not tensors[0].is_floating_point():
         return tensors[0]
-    blocks = row_blocks(tensors[0].shape, block or row_blocks_module.BLOCK_ELEMENTS)
+    rows = blocks.row_blocks(tensors[0].shape, block or blocks.BLOCK_ELEMENTS)
     statistics = spec.block_statistics
-    extra = None if len(blocks) == 1 or statistics is None else statistics(
-        base if uses_base else None, tensors, blocks, **kwargs)
+    extra = None if len(rows) == 1 or statistics is None else statistics(
+        base if uses_base else None, tensors, rows, **kwargs)
     if spec.weights:
         kwargs["weights"] = weights
     if spec.random:
@@ -77,5 +76,5 @@ def merge(method: str, *, base: Tensor | None, tensors: Sequence[Tensor], weight
     if extra is None:  # one piece
         out = spec.function(*([base] if pass_base else []), tensors, **kwargs)
         return out.to(dtype)
-    return merge_in_blocks(spec.function, base, tensors, blocks, dtype, pass_base,
-                           **kwargs, **extra)
+    return blocks.merge_in_blocks(spec.function, base, tensors, rows, dtype, pass_base,
+                                  **kwargs, **extra)

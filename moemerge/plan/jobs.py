@@ -51,6 +51,11 @@ class Job:
     std: float | None = None  # kind random
 
     @property
+    def inputs(self) -> list[Source]:
+        """Every tensor the job reads: its sources, then its base."""
+        return [*self.sources, *([self.base] if self.base is not None else [])]
+
+    @property
     def nbytes(self) -> int:
         return torch.Size(self.shape).numel() * self.dtype.itemsize
 

@@ -27,15 +27,11 @@ class Estimate:
     output_bytes: int
 
 
-def _inputs(job: Job) -> list[Source]:
-    return [*job.sources, *([job.base] if job.base is not None else [])]
-
-
 def working_set(job: Job) -> int:
     """The merge's own float32 working set beyond its inputs and output."""
     if job.kind != "merge" or job.merge is None:
         return 0
-    n = len(_inputs(job))
+    n = len(job.inputs)
     numel = job.nbytes // job.dtype.itemsize
     if get(job.merge.method).blocks is not None:
         return min(numel, BLOCK_ELEMENTS) * BLOCK_WORKING * n
@@ -46,7 +42,7 @@ def working_set(job: Job) -> int:
 def estimate(plan: Plan, source_bytes: Callable[[Source], int], lookahead: int = 3) -> Estimate:
     """The peak over every `lookahead` consecutive jobs of their inputs and outputs, plus the
     output being written and the largest working set of one merge."""
-    held = [sum(map(source_bytes, _inputs(job))) + job.nbytes for job in plan.jobs]
+    held = [sum(map(source_bytes, job.inputs)) + job.nbytes for job in plan.jobs]
     window = max((sum(held[i:i + lookahead]) for i in range(len(held))), default=0)
     writing = max((job.nbytes for job in plan.jobs), default=0)
     return Estimate(window + writing + max(map(working_set, plan.jobs), default=0),
