@@ -101,7 +101,7 @@ def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:
     ffn_owners = experts + ([0] if recipe.include_base_expert else [])
     weights = [e.weight for e in recipe.experts]
     hidden = base.config["hidden_size"]
-    _refuse_unsupported_tensors(base, layout.name)
+    refuse_unsupported_tensors(base, layout.name)
     check_shared_expert(recipe, layout)
 
     jobs: list[Job] = []
@@ -138,7 +138,7 @@ def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:
                 notes=downstream_notes(recipe, layout, len(ffn_owners)))
 
 
-def _refuse_unsupported_tensors(base: SourceModel, target: str) -> None:
+def refuse_unsupported_tensors(base: SourceModel, target: str) -> None:
     if target == "mixtral":
         biased = [n for n in base.roles if n.endswith(".bias")]
         if biased:

@@ -27,7 +27,7 @@ from moemerge.architectures import moe_layouts
 from moemerge.architectures.config import moe_config
 from moemerge.errors import RecipeError
 from moemerge.merge.primitives import generator_for
-from moemerge.plan.build import _refuse_unsupported_tensors, output_dtype, write_order
+from moemerge.plan.build import output_dtype, refuse_unsupported_tensors, write_order
 from moemerge.plan.jobs import Job, Plan, Source
 from moemerge.plan.shared import zeroed_shared_expert
 from moemerge.plan.sources import SourceModel
@@ -155,7 +155,7 @@ def plan_upcycle(recipe: UpcycleRecipe, models: list[SourceModel]) -> Plan:
     layer, and experts c·m + j = slice j of copy c."""
     dense, view = models[0], models[1].reader
     layout = moe_layouts()[dense.family.moe_target]
-    _refuse_unsupported_tensors(dense, layout.name)
+    refuse_unsupported_tensors(dense, layout.name)
     dtype = output_dtype(recipe.output.dtype, dense)
     hidden, m = dense.config["hidden_size"], recipe.granularity
     jobs: list[Job] = []
