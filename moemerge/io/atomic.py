@@ -107,7 +107,7 @@ def check_free_space(out: Path, tensor_bytes: int, what: str = "") -> None:
     """Refuse up front an output the device of `out` cannot hold (ENOSPC half-way through a
     long build wastes the build); `tensor_bytes` from the plan, `what` says what they are."""
     parent = existing_ancestor(Path(out).absolute().parent)
-    need, free = int(tensor_bytes * SPACE_MARGIN) + 2**20, free_bytes(parent)
+    need, free = _needed(tensor_bytes, 0), free_bytes(parent)
     if need > free:
         raise OutputError(f"not enough space for {out}{what}: it needs about "
                           f"{need / 2**20:.1f} MiB and the device of {parent} has "
