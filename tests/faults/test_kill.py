@@ -33,7 +33,12 @@ def finish(proc):
 
 
 def leftovers(parent: Path) -> list[Path]:
-    return sorted(p for p in parent.rglob("*") if ".tmp-" in p.name or "moemerge-" in p.name)
+    """Temporary files and directories under `parent`. os.walk, unlike Path.rglob, skips a
+    directory that the running command removes while it is being listed."""
+    found = []
+    for top, dirs, files in os.walk(parent):
+        found += [Path(top, name) for name in dirs + files]
+    return sorted(p for p in found if ".tmp-" in p.name or "moemerge-" in p.name)
 
 
 def owned(parent: Path, pid: int) -> list[Path]:
