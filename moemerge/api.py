@@ -187,7 +187,8 @@ def build(
             warn(message)
         if dry_run or out is None:
             sizes = estimate(plan, lambda s: models[s.model].reader.meta(s.tensor).nbytes,
-                             max(lookahead, workers))
+                             max(lookahead, workers),
+                             sum(getattr(m.reader, "resident_bytes", 0) for m in models))
             return BuildResult(plan, None, "none", estimate=sizes)
         check_output_apart(out, [(f"input model {m.label}", m.path) for m in models])
         seen_non_finite: set[Source] = set()

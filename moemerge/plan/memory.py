@@ -39,11 +39,13 @@ def working_set(job: Job) -> int:
     return numel * (a + b * max(0, n - 1))
 
 
-def estimate(plan: Plan, source_bytes: Callable[[Source], int], lookahead: int = 3) -> Estimate:
+def estimate(plan: Plan, source_bytes: Callable[[Source], int], lookahead: int = 3,
+             resident: int = 0) -> Estimate:
     """The peak over every `lookahead` consecutive jobs of their inputs and outputs, plus the
-    output being written and the largest working set of one merge."""
+    output being written, the largest working set of one merge and what the readers themselves
+    hold (`resident`: upcycling's float32 copy of a dense FFN tensor)."""
     held = [sum(map(source_bytes, job.inputs)) + job.nbytes for job in plan.jobs]
     window = max((sum(held[i:i + lookahead]) for i in range(len(held))), default=0)
     writing = max((job.nbytes for job in plan.jobs), default=0)
-    return Estimate(window + writing + max(map(working_set, plan.jobs), default=0),
+    return Estimate(window + writing + max(map(working_set, plan.jobs), default=0) + resident,
                     plan.total_bytes)

@@ -18,6 +18,7 @@ of (seed, tensor name): the same recipe gives the same bytes.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 
@@ -90,6 +91,16 @@ class UpcycledFFNs:
     def __contains__(self, name: object) -> bool:
         return name in self.parts
 
+    @property
+    def resident_bytes(self) -> int:
+        """What the reader itself holds at most beyond the slices it returns, measured
+        (tests/integration/test_memory_bound.py): the float32 dense tensor and its copy, and
+        when the copy is changed (reinit, noise) its random draws and the allocator's arenas."""
+        dense = {part.dense for part in self.parts.values()}
+        largest = max((math.prod(self.dense.reader.meta(n).shape) for n in dense), default=0)
+        changed = self.recipe.reinit.ratio > 0 or self.recipe.noise > 0
+        return 4 * largest * (6 if changed else 2)
+
     def meta(self, name: str) -> _Meta:
         part = self.parts[name]
         rows, cols = self.dense.reader.meta(part.dense).shape
@@ -100,6 +111,7 @@ class UpcycledFFNs:
         with self._lock:
             key = (part.dense, part.copy)
             if self._cache is None or self._cache[0] != key:
+                self._cache = None  # freed before the next copy is made: one copy at a time
                 self._cache = (key, self._copy(part))
             full = self._cache[1]
         units = slice(part.slice * self.width, (part.slice + 1) * self.width)
@@ -110,20 +122,23 @@ class UpcycledFFNs:
     def _copy(self, part: _Part) -> torch.Tensor:
         """Copy `part.copy` of one dense FFN tensor: re-initialised units, then noise."""
         if self._dense is None or self._dense[0] != part.dense:
+            self._dense = None  # the previous dense tensor is freed first
             self._dense = (part.dense, self.dense.reader.read(part.dense).float())
         weight = self._dense[1]  # never modified in place: the next copy starts from it
         axis = 1 if part.proj == "down" else 0  # the intermediate units' axis
         units = self.reinit_units(part.layer, part.copy)
+        if len(units) or self.recipe.noise > 0:
+            weight = weight.clone()  # then changed in place: one float32 tensor at a time
         if len(units):
             shape = list(weight.shape)
             shape[axis] = len(units)
             fresh = torch.randn(shape, generator=generator_for(
                 self.reinit_seed, f"{part.dense} copy {part.copy} reinit"))
-            weight = weight.index_copy(axis, units, fresh * weight.std() + weight.mean())
+            dense = self._dense[1]
+            weight.index_copy_(axis, units, fresh.mul_(dense.std()).add_(dense.mean()))
         if self.recipe.noise > 0:
-            weight = weight + self.recipe.noise * torch.randn(
-                weight.shape, generator=generator_for(self.recipe.seed,
-                                                      f"{part.dense} copy {part.copy} noise"))
+            weight.add_(torch.randn(weight.shape, generator=generator_for(
+                self.recipe.seed, f"{part.dense} copy {part.copy} noise")).mul_(self.recipe.noise))
         return weight
 
     @property
