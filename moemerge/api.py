@@ -35,8 +35,9 @@ from moemerge.plan.memory import Estimate, estimate
 from moemerge.plan.merged import plan_merged_experts
 from moemerge.plan.params import override_layer_warnings
 from moemerge.plan.sequence import plan_bridged, plan_seq_routed
-from moemerge.plan.sources import SourceModel, check_shared_vocabulary, open_sources
+from moemerge.plan.sources import SourceModel, open_sources
 from moemerge.plan.upcycle import plan_upcycle, upcycle_sources
+from moemerge.plan.vocab import map_vocabularies
 from moemerge.recipe.load import AnyRecipe, load_recipe, parse_recipe
 from moemerge.recipe.merged import MergedExpertsRecipe
 from moemerge.recipe.models import MergeRecipe, MoERecipe
@@ -98,8 +99,8 @@ def make_plan(recipe: AnyRecipe, models: list[SourceModel]) -> Plan:
 
 def _tokenizer_source(recipe: AnyRecipe, models: list[SourceModel]) -> SourceModel:
     """The model whose tokenizer (and generation config) the output keeps."""
-    if isinstance(recipe, BridgedRecipe) and recipe.tokenizer is not None:
-        return models[[e.name for e in recipe.experts].index(recipe.tokenizer)]
+    if isinstance(recipe, BridgedRecipe):
+        return models[recipe.tokenizer_index]
     return models[0]
 
 
@@ -178,11 +179,15 @@ def build(
     with ExitStack() as stack:
         models = open_sources(
             _labelled_refs(recipe), recipe_path.parent, allow_pickle=allow_pickle, stack=stack,
-            check=check_shared_vocabulary if isinstance(recipe, BridgedRecipe) else None,
+            check=(lambda _: None) if isinstance(recipe, BridgedRecipe) else None,
         )
+        vocab_notes: list[str] = []
         if isinstance(recipe, UpcycleRecipe):  # the experts' FFN slices, made when read
             models = upcycle_sources(recipe, models)
+        if isinstance(recipe, BridgedRecipe):  # other vocabularies mapped onto the kept one
+            models, vocab_notes = map_vocabularies(models, recipe.tokenizer_index)
         plan = make_plan(recipe, models)
+        plan.notes[:0] = vocab_notes
         for message in [*_override_warnings(recipe, models, plan), *plan.notes]:
             warn(message)
         if dry_run or out is None:

@@ -51,10 +51,10 @@ def build(lines: list[str], out: Path) -> Path:
 
 
 def _config(ts, model: Path, out: Path, parts: list[str], steps: int, lr: float, seed: int,
-            args):
+            args, **extra):
     from moemerge.train.config import make_config
 
-    return make_config(None, {
+    return make_config(None, extra | {
         "model": str(model), "output": str(out), "train": parts, "steps": steps, "lr": lr,
         "data": [f"{d}={p}" for d, p in ts.train_text.items()], "seq_len": args.seq_len,
         "batch_size": args.batch_size, "eval_fraction": args.eval_fraction, "device": "cpu",
@@ -62,10 +62,11 @@ def _config(ts, model: Path, out: Path, parts: list[str], steps: int, lr: float,
 
 
 def finetune(ts, model: Path, out: Path, parts: list[str], steps: int, lr: float, seed: int,
-             args) -> Path:
+             args, **extra) -> Path:
+    """`extra`: more finetune config fields (e.g. aux_loss_coef)."""
     from moemerge.train.api import finetune as run_finetune
 
-    run_finetune(_config(ts, model, out, parts, steps, lr, seed, args))
+    run_finetune(_config(ts, model, out, parts, steps, lr, seed, args, **extra))
     return out
 
 

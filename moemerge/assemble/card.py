@@ -31,6 +31,7 @@ def _sequence_card(recipe: SeqRoutedRecipe | BridgedRecipe, plan: Plan):
           for i, (name, e, w, c) in enumerate(zip(config["expert_names"], recipe.experts, widths,
                                                   config["experts"], strict=True))),
         "", USAGE + " Override the routing at load time, e.g. `router=\"perplexity\"`.",
+        *(f"\n**Note:** {note}" for note in plan.notes),  # e.g. a bridged vocabulary map
     ]
     return bases, what, details
 

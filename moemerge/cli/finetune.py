@@ -49,7 +49,7 @@ def finetune(
     warmup_steps: Annotated[Optional[int], Opt(help="Warm-up steps [10% of steps].")] = None,  # noqa: UP045
     max_grad_norm: Annotated[Optional[float], Opt(help="Clip norm, 0 = off [1.0].")] = None,  # noqa: UP045
     aux_loss_coef: Annotated[Optional[float], Opt(  # noqa: UP045
-        help="Load-balancing loss coefficient [0].")] = None,
+        help="Load-balancing loss coefficient [0.04 / top-k if upcycled, else 0].")] = None,
     eval_every: Annotated[Optional[int], Opt(help="Evaluate every N steps [0: end].")] = None,  # noqa: UP045
     seed: Annotated[Optional[int], Opt(help="Seed of data order and RNG [0].")] = None,  # noqa: UP045
     device: Annotated[Optional[str], Opt(help="auto | cpu | cuda [auto].")] = None,  # noqa: UP045

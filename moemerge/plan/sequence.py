@@ -102,10 +102,10 @@ def _base_jobs(base: SourceModel, dtype) -> list[Job]:
 
 
 def plan_bridged(recipe: BridgedRecipe, models: list[SourceModel]) -> Plan:
-    """models = experts (any widths, depths, families, one vocabulary). Shared embedding and
-    head: the experts' zero-padded to d_m and averaged; per expert its stack and projectors."""
-    names = [e.name for e in recipe.experts]
-    token = names.index(recipe.tokenizer) if recipe.tokenizer is not None else 0
+    """models = experts (any widths, depths, families; those with another vocabulary than the
+    tokenizer's expert read through plan/vocab.py's mapping). Shared embedding and head: the
+    experts' zero-padded to d_m and averaged; per expert its stack and projectors."""
+    token = recipe.tokenizer_index
     widths = [m.config["hidden_size"] for m in models]
     width, vocab = max(widths), models[token].config["vocab_size"]
     dtype = output_dtype(recipe.output.dtype, models[token])

@@ -147,19 +147,6 @@ def vocab_fingerprint(path: Path) -> str | None:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def check_shared_vocabulary(models: list[SourceModel]) -> None:
-    """Bridged experts may differ in width, depth and family, but token ids must line up."""
-    ref = models[0]
-    for other in models[1:]:
-        a, b = ref.config.get("vocab_size"), other.config.get("vocab_size")
-        if a != b:
-            raise MismatchError(
-                f"different vocabularies: vocab_size is {a} in {ref.where()} but {b} in "
-                f"{other.where()}. Bridged experts share one embedding and head, so they need "
-                "one tokenizer; moemerge has no vocabulary mapping to bridge two tokenizers")
-        _check_vocab(ref, other)
-
-
 def _check_vocab(ref: SourceModel, other: SourceModel) -> None:
     files = [m.path / "tokenizer.json" for m in (ref, other)]
     if all(f.is_file() for f in files) and len({confined(f, f.parent).read_bytes()

@@ -116,8 +116,10 @@ class BridgedRecipe(_SequenceRecipe):
     shared embedding and head of the widest expert's width."""
 
     assembly: Literal["bridged"]
-    tokenizer: str | None = Field(default=None, description="Name of the expert whose "
-                                  "tokenizer the MoE uses; default the first expert's.")
+    tokenizer: str | None = Field(default=None, description="The expert (its name, or its "
+                                  "`model` as written) whose tokenizer the MoE keeps; default "
+                                  "the first. Experts with another vocabulary are mapped onto "
+                                  "it by token string.")
     projectors: ProjectorSpec = ProjectorSpec()
     mix: Literal["logits", "hidden"] = "hidden"
 
@@ -127,8 +129,20 @@ class BridgedRecipe(_SequenceRecipe):
         if self.router.kind == "task_vector":
             raise ValueError("router.kind: 'task_vector' needs experts branched from one base; "
                              "bridged experts have none. Use learned or perplexity")
-        names = [e.name for e in self.experts]
-        if self.tokenizer is not None and self.tokenizer not in names:
-            raise ValueError(f"tokenizer: {self.tokenizer!r} is not an expert's name "
-                             f"({', '.join(str(n) for n in names)})")
+        if self.tokenizer is not None and self.tokenizer_index is None:
+            names = [e.name or e.model for e in self.experts]
+            raise ValueError(f"tokenizer: {self.tokenizer!r} is not an expert's name or model "
+                             f"({', '.join(names)})")
         return self
+
+    @property
+    def tokenizer_index(self) -> int | None:
+        """Which expert's tokenizer the MoE keeps: `tokenizer` matched against the experts'
+        names, then their `model` references; 0 when unset; None when nothing matches."""
+        if self.tokenizer is None:
+            return 0
+        for key in ("name", "model"):
+            found = [i for i, e in enumerate(self.experts) if getattr(e, key) == self.tokenizer]
+            if found:
+                return found[0]
+        return None

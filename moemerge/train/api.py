@@ -21,6 +21,7 @@ from moemerge.io.reader import CheckpointReader
 from moemerge.loading import load_pretrained
 from moemerge.modeling import is_merged_experts, is_sequence_routed
 from moemerge.train import checkpoint, distributed, loop, report, sharding
+from moemerge.train.aux_loss import default_aux_loss_coef
 from moemerge.train.config import TrainConfig
 from moemerge.train.data import Blocks, collect_texts, make_blocks
 from moemerge.train.export import export, write_json
@@ -119,6 +120,9 @@ def _finetune(cfg, ctx, console, on_step, config_file) -> FinetuneResult:
         enable_gradient_checkpointing(model)
     blocks = make_blocks(texts, tokenizer, cfg.seq_len, cfg.eval_fraction)
     names = select_trainable(model, cfg.train, cfg.model)
+    if cfg.aux_loss_coef is None:  # resolved before the fingerprint a resume compares
+        cfg = cfg.model_copy(update={"aux_loss_coef": default_aux_loss_coef(
+            model, Path(cfg.model), cfg.train)})
     check_aux_loss(model, cfg.aux_loss_coef, cfg.model)
     _check_space(cfg, model, names)
     if ctx.sharded:  # replaces the parameters with DTensor shards: look them up after

@@ -38,7 +38,9 @@ class TrainConfig(BaseModel):
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int | None = Field(default=None, ge=0, description="Default: 10% of steps.")
     max_grad_norm: float = Field(default=1.0, ge=0.0, description="0 disables clipping.")
-    aux_loss_coef: float = Field(default=0.0, ge=0.0)
+    aux_loss_coef: float | None = Field(
+        default=None, ge=0.0, description="Load-balancing loss coefficient. Default: 0.04 / "
+        "top-k for an upcycled model whose routers train (train/aux_loss.py), else 0.")
     eval_every: int = Field(default=0, ge=0)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -83,7 +83,7 @@ def train_step(model, optim: Optim, blocks: Blocks, step: int, cfg: TrainConfig,
         unsynced = ctx.world > 1 and not ctx.sharded and not last
         sync = model.no_sync() if unsynced else nullcontext()
         with sync:
-            total, lm = _loss(model, blocks.tokens[ids], cfg.aux_loss_coef, ctx)
+            total, lm = _loss(model, blocks.tokens[ids], cfg.aux_loss_coef or 0.0, ctx)
             (total / cfg.grad_accum).backward()
         lm_sum += lm
     norm = (torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from conftest import FAMILIES, generate_in_fresh_process, perturbed_copy, write_recipe
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from moemerge.api import build
-from moemerge.errors import MismatchError, RecipeError
+from moemerge.errors import RecipeError
 
 ROUTERS = ("learned", "perplexity", "task_vector")
 
@@ -136,13 +136,25 @@ def test_bridged_llama_and_narrower_qwen2(model_factory, tmp_path):
     assert torch.allclose(result.routing_weights.sum(-1), torch.ones(2))
 
 
-def test_bridged_experts_with_different_vocabularies_are_refused(model_factory, tmp_path):
+def test_bridged_experts_with_more_padding_rows_keep_every_token_row(model_factory, tmp_path):
+    """One tokenizer, vocab_size 300 and 320: the map keeps each token's row (all shared)."""
     a = model_factory("llama")
     b = model_factory("qwen2", vocab=320)
     path = recipe(tmp_path, "bridged", [str(a), str(b)])
-    with pytest.raises(MismatchError, match=r"vocab_size is 300 in .* but 320 in .*vocabulary"):
-        build(path, tmp_path / "moe", progress=False)
-    assert not (tmp_path / "moe").exists()
+    notes: list[str] = []
+    build(path, tmp_path / "moe", progress=False, warn=notes.append)
+    tokens = len(AutoTokenizer.from_pretrained(a))
+    counts = f"{tokens} shared, 0 mapped, 0 new" + (f", {300 - tokens} padding"
+                                                     if tokens < 300 else " (")
+    assert any(counts in n for n in notes), notes
+    with safe_open(tmp_path / "moe" / "model.safetensors", "pt") as f:
+        shared = f.get_tensor("embed_tokens.weight")
+    with safe_open(a / "model.safetensors", "pt") as f:
+        own_a = f.get_tensor("model.embed_tokens.weight")
+    with safe_open(b / "model.safetensors", "pt") as f:
+        own_b = f.get_tensor("model.embed_tokens.weight")
+    assert shared.shape == own_a.shape
+    torch.testing.assert_close(shared[:tokens], (own_a[:tokens] + own_b[:tokens]) / 2)
 
 
 def test_k_larger_than_the_experts_is_a_recipe_error(model_factory, tmp_path):

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+import yaml
 from conftest import perturbed_copy, write_recipe
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -165,3 +166,35 @@ def test_tune_on_is_refused_naming_the_kind(dense, tmp_path):
                           "experts: 2\n")
     with pytest.raises(RecipeError, match=r"r.yaml is kind: upcycle$"):
         build(recipe, tmp_path / "out", tune=TuneOptions(tmp_path / "held_out.txt"))
+
+
+def test_finetune_defaults_the_balancing_loss_for_upcycled_models_only(dense, tiny_moe,
+                                                                       train_text, tmp_path,
+                                                                       monkeypatch):
+    """0.04 / top-k for an upcycled model whose routers train; 0 for a BTX build, for parts
+    without routers, and whenever the config sets it."""
+    from moemerge.train import loop
+    from moemerge.train.api import finetune
+    from moemerge.train.config import make_config
+
+    used = []
+    original = loop._loss
+    monkeypatch.setattr(loop, "_loss", lambda m, b, coef, ctx: used.append(coef)
+                        or original(m, b, coef, ctx))
+    up = upcycle(tmp_path, dense("llama"), granularity=2)  # k = 2 copies × 2 slices: top-4
+
+    def coef(model, out, **kw):
+        used.clear()
+        cfg = make_config(None, {"model": str(model), "output": str(tmp_path / out),
+                                 "data": [str(train_text)], "seq_len": 16, "batch_size": 2,
+                                 "steps": 1, "device": "cpu"} | kw)
+        finetune(cfg)
+        saved = yaml.safe_load((tmp_path / out / "training/train_config.yaml").read_text())
+        assert used and set(used) == {saved["aux_loss_coef"]}  # the loss used what it records
+        return saved["aux_loss_coef"]
+
+    assert coef(up, "full", train=["all"]) == pytest.approx(0.01)
+    assert coef(tmp_path / "full", "again", train=["all"]) == pytest.approx(0.01)  # kept
+    assert coef(up, "routers") == pytest.approx(0.01)
+    assert coef(up, "off", train=["all"], aux_loss_coef=0.0) == 0.0
+    assert coef(tiny_moe, "btx", train=["all"]) == 0.0
