@@ -28,7 +28,9 @@ class TrainConfig(BaseModel):
     train: list[Part] = Field(default=["routers"], min_length=1)
     seq_len: int = Field(default=256, ge=2)
     eval_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
-    text_field: str = "text"
+    text_field: str = Field(default="text", description="JSONL data: the field holding the text.")
+    label_field: str = Field(default="domain", description="JSONL data: the field naming each "
+                             "record's domain, when the records have one.")
     batch_size: int = Field(default=8, ge=1, description="Blocks per optimizer step, all ranks.")
     grad_accum: int = Field(default=1, ge=1)
     steps: int | None = Field(default=None, ge=1, description="Default: one pass (--epochs).")
