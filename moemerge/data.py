@@ -22,19 +22,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from moemerge.errors import RecipeError
+from moemerge.io.resolve import looks_like_path
 
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 RECORD_SUFFIXES = (".jsonl", ".json")
 HELD_OUT_SPLITS = ("eval", "valid", "validation", "test", "heldout")
 SAVED_DATASET = ("dataset_info.json", "dataset_dict.json")  # written by save_to_disk
-HUB_ID = re.compile(r"^[\w-][\w.-]*/[\w.-]+$")  # org/name, exactly one slash
 SEP = "\n\n"  # between documents of a domain joined into one text
 Split = Literal["file", "line", "paragraph"]
 
@@ -52,15 +51,6 @@ class Domain:
     def eval_documents(self) -> list[str]:
         """What evaluation reads: the held-out part, or everything when none was given."""
         return self.held_out or self.documents
-
-
-def looks_like_path(ref: str) -> bool:
-    """True when `ref` is meant as a local path, never a hub id: it starts with `.`, `/` or
-    `~`, has more than one `/`, or its parent directory exists."""
-    if ref.startswith((".", "/", "~", "\\")) or ref.count("/") > 1:
-        return True
-    parent = Path(ref).parent
-    return str(parent) not in ("", ".") and parent.is_dir()
 
 
 def read_domains(specs: Iterable[str], *, text_field: str = "text",
@@ -110,7 +100,7 @@ class _Reader:
     def source(self, ref: str, label: str | None) -> None:
         path = Path(ref).expanduser()
         if not path.exists():
-            if HUB_ID.match(ref) and not looks_like_path(ref):
+            if "/" in ref and not looks_like_path(ref):  # org/name: a bare word is a typo
                 self.dataset(ref, label, saved=False)
                 return
             raise RecipeError(f"{self.what}: {ref}: no such file or directory")

@@ -5,8 +5,9 @@ import json
 import pytest
 
 from moemerge import data as data_module
-from moemerge.data import domain_texts, looks_like_path, read_domains
+from moemerge.data import domain_texts, read_domains
 from moemerge.errors import RecipeError
+from moemerge.io.resolve import looks_like_path
 
 
 def _jsonl(path, rows):

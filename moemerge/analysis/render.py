@@ -10,7 +10,7 @@ from rich.table import Table
 
 from moemerge.analysis.task_vectors import GroupResult, TaskVectorReport
 from moemerge.analysis.verdict import verdict
-from moemerge.data import looks_like_path
+from moemerge.io.resolve import looks_like_path
 
 SCHEMA = "moemerge.inspect/1"  # bump when a key changes meaning or disappears (docs/inspect.md)
 
