@@ -58,8 +58,8 @@ def _help_option(option):
     return option
 
 
-class Command(TyperCommand):
-    """A command whose help reads as Click's (`clickish`)."""
+class _Clickish:
+    """Help as Click's (`clickish`), mixed into Typer's command and group classes."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -69,15 +69,12 @@ class Command(TyperCommand):
         return _help_option(super().get_help_option(ctx))
 
 
-class Group(TyperGroup):
-    """The `moemerge` group, its help as Click's (`clickish`)."""
+class Command(_Clickish, TyperCommand):
+    """Every moemerge command."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        clickish(self)
 
-    def get_help_option(self, ctx):
-        return _help_option(super().get_help_option(ctx))
+class Group(_Clickish, TyperGroup):
+    """The `moemerge` group."""
 
 
 class App(typer.Typer):
