@@ -17,7 +17,7 @@ from moemerge.assemble.card import model_card
 from moemerge.assemble.remote_code import copy_modeling_code
 from moemerge.assemble.verify import FULL_LOAD_LIMIT, check_loads, check_structure
 from moemerge.errors import CheckpointError, OutputError, RecipeError
-from moemerge.eval.perplexity import load_causal_lm, load_tokenizer
+from moemerge.eval.perplexity import load_tokenizer
 from moemerge.execute import check_device, run_jobs
 from moemerge.io.atomic import (
     RECIPE_COPY,
@@ -28,6 +28,7 @@ from moemerge.io.atomic import (
 )
 from moemerge.io.paths import check_output_apart, working_directory
 from moemerge.io.writer import ShardedWriter, parse_size
+from moemerge.loading import load_causal_lm
 from moemerge.merge.primitives import count_non_finite
 from moemerge.plan.build import plan_merge, plan_token_routed
 from moemerge.plan.jobs import Plan, Source

@@ -88,6 +88,29 @@ def model_factory(tmp_path_factory, tokenizer):
     return make
 
 
+@pytest.fixture(scope="session", autouse=True)
+def moemerge_cache(tmp_path_factory):
+    """Where the toy experts are cached for this run: $MOEMERGE_CACHE when it is set (CI's
+    scratch, a cache shared between runs), else a temporary directory of this session; never
+    the user's ~/.cache/moemerge."""
+    import os
+
+    before = os.environ.get("MOEMERGE_CACHE")
+    if not before:
+        os.environ["MOEMERGE_CACHE"] = str(tmp_path_factory.mktemp("moemerge-cache"))
+    yield Path(os.environ["MOEMERGE_CACHE"])
+    if not before:
+        del os.environ["MOEMERGE_CACHE"]
+
+
+@pytest.fixture(scope="session")
+def tiny_toy(moemerge_cache):
+    """The TINY toy experts, made once per cache and shared by every test that needs them."""
+    from moemerge.toy import TINY, cached_toy_experts
+
+    return cached_toy_experts(TINY, progress=False)
+
+
 @pytest.fixture(scope="session")
 def tiny_moe(tmp_path_factory, model_factory):
     """A token-routed MoE (Mixtral, 2 experts, random router) built from tiny random models,

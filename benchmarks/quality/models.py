@@ -77,7 +77,7 @@ def train_dense(ts, model: Path, steps: int, lr: float, seed: int, args):
     Returns (model, tokenizer) in memory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from moemerge.toy.train import quiet_transformers
+    from moemerge.loading import quiet_transformers
     from moemerge.train import distributed, loop
     from moemerge.train.data import collect_texts, make_blocks
 

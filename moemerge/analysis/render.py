@@ -10,6 +10,7 @@ from rich.table import Table
 
 from moemerge.analysis.task_vectors import GroupResult, TaskVectorReport
 from moemerge.analysis.verdict import verdict
+from moemerge.io.resolve import looks_like_path
 
 SCHEMA = "moemerge.inspect/1"  # bump when a key changes meaning or disappears (docs/inspect.md)
 
@@ -100,11 +101,18 @@ def tables(report: TaskVectorReport) -> tuple[Table, Table]:
     return out[0], out[1]
 
 
+def _public(ref: str) -> str:
+    """What a model card may say of a model: a hub id as it is, a local path by its name only
+    (no absolute path of the machine that wrote it)."""
+    return Path(ref.rstrip("/")).name if looks_like_path(ref) or Path(ref).exists() else ref
+
+
 def markdown(report: TaskVectorReport) -> str:
     """A model-card section: the summary and per-layer tables and the verdict."""
     expert_list = ", ".join(f"`{n}`" for n in report.names)
     lines = ["## Task vectors", "",
-             f"Experts {expert_list} against base `{report.base[1]}` (τ = expert − base); "
+             f"Experts {expert_list} against base `{_public(report.base[1])}` "
+             "(τ = expert − base); "
              "statistics defined in moemerge's docs/inspect.md.", ""]
     for title, groups, summary in (("Per role", list(report.summary.values()), True),
                                    ("Per layer", report.groups, False)):

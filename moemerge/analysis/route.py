@@ -7,17 +7,16 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
 
 from moemerge.analysis.routing import expert_labels, load_moe
+from moemerge.data import Split, read_domains
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.io.reader import read_config
 from moemerge.modeling import is_sequence_routed
 
 SCHEMA = "moemerge.route/1"
-Split = Literal["line", "paragraph", "file"]
 
 
 @dataclass
@@ -39,38 +38,11 @@ class RouteReport:
         return json.dumps({"schema": SCHEMA, **asdict(self)}, indent=2) + "\n"
 
 
-def read_prompts(files: list[Path], *, split: Split, text_field: str) -> list[str]:
-    """Prompts from .jsonl records (`text_field`) or text files (cut by `split`)."""
-    prompts: list[str] = []
-    for file in map(Path, files):
-        if not file.is_file():
-            raise RecipeError(f"{file}: prompt file not found")
-        text = file.read_text(encoding="utf-8")
-        if file.suffix == ".jsonl":
-            for number, line in enumerate(text.splitlines(), start=1):
-                if line.strip():
-                    prompts.append(_record_text(line, text_field, f"{file}:{number}"))
-        elif split == "file":
-            prompts.append(text)
-        else:
-            parts = text.split("\n\n") if split == "paragraph" else text.splitlines()
-            prompts += [p.strip("\n") for p in parts]
-    prompts = [p for p in prompts if p.strip()]
-    if not prompts:
-        raise RecipeError(f"no prompts in {', '.join(map(str, files))}")
-    return prompts
-
-
-def _record_text(line: str, text_field: str, where: str) -> str:
-    try:
-        value = json.loads(line)[text_field]
-    except (ValueError, KeyError, TypeError):
-        raise RecipeError(f"{where}: not a JSON object with a {text_field!r} field") from None
-    except RecursionError:
-        raise RecipeError(f"{where}: the JSON is nested too deeply") from None
-    if not isinstance(value, str):
-        raise RecipeError(f"{where}: field {text_field!r} is not a string")
-    return value
+def read_prompts(files: list[Path | str], *, split: Split, text_field: str) -> list[str]:
+    """Prompts from any --data source (docs/data.md): each JSONL record, and each text file
+    cut by `split` (per line, blank-line paragraph, or whole file)."""
+    domains = read_domains(map(str, files), text_field=text_field, split=split, what="prompts")
+    return [doc for d in domains.values() for doc in d.documents + d.held_out if doc.strip()]
 
 
 @torch.no_grad()

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-from moemerge.analysis.data import load_domain_texts
+from moemerge.data import domain_texts
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.eval.perplexity import perplexity
 from moemerge.io.atomic import RECIPE_COPY
 from moemerge.io.reader import read_config
-from moemerge.loading import load_pretrained
+from moemerge.loading import load_causal_lm, load_pretrained
 from moemerge.modeling import is_merged_experts, is_sequence_routed
 from moemerge.recipe.load import safe_yaml
 
@@ -188,25 +188,12 @@ def expert_labels(model_dir: Path, num_experts: int) -> list[str]:
 def load_moe(model_dir: Path, **overrides):
     """(model, tokenizer) of a local MoE checkpoint in fp32; clear errors for the wrong kind.
     `overrides` replace config fields (e.g. router="perplexity" for a sequence-routed model)."""
-    from transformers.utils import logging as hf_logging
-
     read_config(model_dir)  # a clear error for a missing or broken config.json
     try:
         moe_shape(load_pretrained("AutoConfig", model_dir), str(model_dir))  # before any weights
-        bars = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()
-        try:
-            model = load_pretrained("AutoModelForCausalLM", model_dir, dtype=torch.float32,
-                                    **overrides)
-            tokenizer = load_pretrained("AutoTokenizer", model_dir)
-        finally:
-            if bars:
-                hf_logging.enable_progress_bar()
     except (OSError, ValueError) as exc:
-        raise CheckpointError(
-            f"cannot load an MoE and its tokenizer from {model_dir}: {exc}"
-        ) from None
-    return model, tokenizer
+        raise CheckpointError(f"cannot load an MoE config from {model_dir}: {exc}") from None
+    return load_causal_lm(model_dir, what="an MoE", **overrides)
 
 
 def routing_report_from_dir(
@@ -220,7 +207,7 @@ def routing_report_from_dir(
 ) -> RoutingReport:
     """`moemerge inspect MODEL_DIR --data ...`: the data is read (and checked) before the model."""
     model_dir = Path(model_dir)
-    texts = load_domain_texts(data, label_field=label_field, text_field=text_field)
+    texts = domain_texts(data, label_field=label_field, text_field=text_field)
     model, tokenizer = load_moe(model_dir)
     labels = expert_labels(model_dir, moe_shape(model.config, str(model_dir))[0])
     return routing_report(model, tokenizer, texts, seq_len=seq_len, max_tokens=max_tokens,

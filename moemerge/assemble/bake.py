@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from moemerge.errors import CheckpointError, RecipeError
+from moemerge.errors import CheckpointError
 from moemerge.io.atomic import RECIPE_COPY, SIDE_FILES, atomic_output_dir, copy_side_files
 from moemerge.io.reader import CheckpointReader, read_config
 from moemerge.io.writer import ShardedWriter
@@ -32,10 +32,10 @@ def bake_curvature(model_dir: Path, out: Path, *, force: bool = False,
     model_dir, out = Path(model_dir), Path(out)
     config = read_config(model_dir)
     if not is_merged_experts(config):
-        raise RecipeError(f"{model_dir}: not a merged-experts model (model_type "
+        raise CheckpointError(f"{model_dir}: not a merged-experts model (model_type "
                           f"{config.get('model_type')!r}); only those have curvature to export")
     if config.get("curvature") == "none":
-        raise RecipeError(f"{model_dir}: has no curvature (curvature: none); nothing to bake")
+        raise CheckpointError(f"{model_dir}: has no curvature (curvature: none); nothing to bake")
     with CheckpointReader(model_dir) as reader:
         try:  # the installed modeling code, never the model dir's
             model = load_pretrained("AutoModelForCausalLM", model_dir, dtype=torch.float32)

@@ -37,16 +37,11 @@ def check_loads(directory: Path) -> None:
     (moemerge's own kinds with the installed code, of which the shipped files are copies:
     nothing is imported from the output directory)."""
     import torch
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # moemerge's own bar is the one the user watches
     try:
         _, info = load_pretrained("AutoModelForCausalLM", directory, output_loading_info=True,
                                   dtype=torch.float32)
     except Exception as exc:  # any failure here means the output is not usable
         raise OutputError(f"output check failed: transformers cannot load it: {exc}") from exc
-    finally:
-        hf_logging.enable_progress_bar()
     problems = {k: v for k, v in info.items() if v and k != "error_msgs"} | (
         {"errors": info["error_msgs"]} if info.get("error_msgs") else {}
     )

@@ -7,20 +7,85 @@ between models, failed output check), 2 recipe or usage error, 130 interrupted (
 
 from __future__ import annotations
 
+import inspect
+import re
 import signal
 import threading
 from collections.abc import Callable
-from functools import wraps
+from functools import partial, wraps
 from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperCommand, TyperGroup
 
 from moemerge import __version__
 from moemerge.errors import MoemergeError, Terminated
 
-app = typer.Typer(
+
+def clickish(command) -> None:
+    """Make a command's help read as Click's does, whatever Typer version renders it: usage
+    `RECIPE [OUTPUT]`, a value option's type in upper case (`--seq-len INTEGER`), no type on a
+    flag or an argument (newer Typer shows `<bool>`, `<str>`, `{recipe}`), and paragraphs
+    that reflow (a docstring's line breaks inside a paragraph are spaces)."""
+    if command.help:
+        command.help = re.sub(r"(?<!\n)\n(?!\n)", " ", inspect.cleandoc(command.help))
+    for param in command.params:
+        if not hasattr(param, "display_type_rich"):  # older Typer: Click's rendering
+            continue
+        label = None
+        if param.param_type_name == "argument":
+            param.metavar = param.metavar or param.name.upper()
+            param._usage_display_name = partial(_usage_name, param)
+        elif not (param.is_flag or param.count):
+            bare = re.sub(r"^list\[(.*)\]$", r"\1", param.bare_type())
+            label = param.metavar or TYPE_LABELS.get(bare, bare.upper())
+        param.display_type_rich = lambda ctx, label=label: label
+
+
+TYPE_LABELS = {"int": "INTEGER", "float": "FLOAT", "str": "TEXT", "Path": "PATH"}  # Click's
+
+
+def _usage_name(param) -> str:
+    name = param.metavar if param.required else f"[{param.metavar}]"
+    return name + ("..." if param.nargs != 1 else "")
+
+
+def _help_option(option):
+    if option is not None and hasattr(option, "display_type_rich"):
+        option.display_type_rich = lambda ctx: None
+    return option
+
+
+class _Clickish:
+    """Help as Click's (`clickish`), mixed into Typer's command and group classes."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        clickish(self)
+
+    def get_help_option(self, ctx):
+        return _help_option(super().get_help_option(ctx))
+
+
+class Command(_Clickish, TyperCommand):
+    """Every moemerge command."""
+
+
+class Group(_Clickish, TyperGroup):
+    """The `moemerge` group."""
+
+
+class App(typer.Typer):
+    """moemerge's Typer app: every command is a `Command`."""
+
+    def command(self, *args, cls=None, **kwargs):
+        return super().command(*args, cls=cls or Command, **kwargs)
+
+
+app = App(
+    cls=Group,
     name="moemerge",
     help="Turn dense expert LLM checkpoints into Mixture-of-Experts models.\n\n"
     "Start with `moemerge demo`: it makes tiny experts offline, builds an MoE from them and "

@@ -46,8 +46,9 @@ def build(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
     tune_on: Annotated[
         Optional[Path],  # noqa: UP045
-        typer.Option("--tune-on", help="Held-out text file: choose merge lambda and density per "
-                     "tensor role by its perplexity, then build with them (docs/tuning.md). "
+        typer.Option("--tune-on", help="Held-out text (any --data source, docs/data.md): "
+                     "choose merge lambda and density per tensor role by its perplexity, then "
+                     "build with them (docs/tuning.md). "
                      f"Tunable methods: {', '.join(TUNABLE)}.", show_default=False),
     ] = None,
     tune_lambdas: Annotated[

@@ -22,8 +22,9 @@ def import_mergekit(
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
 ) -> None:
-    """Translate a mergekit config into a moemerge recipe that builds the same model (docs/
-    mergekit.md). What it cannot carry is an error, or a note in the recipe's comment block."""
+    """Translate a mergekit config into a moemerge recipe that builds the same model
+    (docs/mergekit.md). What it cannot carry is an error, or a note in the recipe's comment
+    block."""
     from moemerge.errors import OutputError
     from moemerge.io.paths import check_output_apart
     from moemerge.recipe.load import load_recipe_data

@@ -47,8 +47,8 @@ def inspect(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
     data: Annotated[
         Optional[list[str]],  # noqa: UP045
-        typer.Option(help="Routing report of the MoE MODEL: NAME=FILE (repeat), a directory of "
-                     "<domain>.txt files, or a JSONL file with a label field.",
+        typer.Option(help="Routing report of the MoE MODEL on this text: a file, directory, "
+                     "JSONL, saved or hub dataset, or name=path (docs/data.md); repeat.",
                      show_default=False),
     ] = None,
     label_field: Annotated[str, typer.Option(help="JSONL --data: the domain field.")] = "domain",
@@ -106,15 +106,28 @@ def inspect(
         console.print(table)
     console.print(f"[bold]verdict:[/] {verdict(report)}", highlight=False)
     if json_path is not None:
-        text = json.dumps(to_dict(report), indent=2) + "\n"
-        if json_path == "-":
-            sys.stdout.write(text)
-        else:
-            Path(json_path).write_text(text)
+        _write_json(json_path, json.dumps(to_dict(report), indent=2) + "\n", "report")
     if markdown is not None:
         markdown.write_text(to_markdown(report))
+        _wrote(markdown, "the tables and verdict as markdown")
     if plot is not None:
         plot_png(report, plot)
+        _wrote(plot, "cosine heatmaps")
+
+
+def _write_json(json_path: str, text: str, what: str) -> None:
+    if json_path == "-":
+        sys.stdout.write(text)
+    else:
+        Path(json_path).write_text(text)
+        _wrote(Path(json_path), f"the {what} as JSON")
+
+
+def _wrote(path: Path, what: str) -> None:
+    """Say what a file option wrote, on stderr (stdout may be the JSON)."""
+    from rich.markup import escape
+
+    err.print(f"wrote {what} to {escape(str(path))}", highlight=False)
 
 
 def _inspect_routing(model: Path, data: list[str], *, json_path: str | None, plot: Path | None,
@@ -128,9 +141,8 @@ def _inspect_routing(model: Path, data: list[str], *, json_path: str | None, plo
     console.print(summary_table(report))
     if per_layer:
         console.print(layer_table(report))
-    if json_path == "-":
-        sys.stdout.write(report.to_json())
-    elif json_path is not None:
-        Path(json_path).write_text(report.to_json())
+    if json_path is not None:
+        _write_json(json_path, report.to_json(), "routing report")
     if plot is not None:
         plot_png(report, plot)
+        _wrote(plot, "routing bars and heatmaps")

@@ -19,8 +19,9 @@ PREVIEW = 60  # characters of each prompt shown in the table
 def route(
     model: Annotated[Path, typer.Argument(help="A seq_routed or bridged model directory.",
                                           show_default=False)],
-    prompts: Annotated[list[Path], typer.Argument(
-        help="Text files (see --split) or .jsonl files (one prompt per record).",
+    prompts: Annotated[list[str], typer.Argument(
+        help="Text files (cut by --split), .jsonl files (one prompt per record), directories "
+        "of them, or any other --data source (docs/data.md).",
         show_default=False)],
     router: Annotated[
         Optional[str],  # noqa: UP045 - typer needs Optional on 3.10

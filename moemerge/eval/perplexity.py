@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from moemerge.errors import CheckpointError
-from moemerge.loading import load_pretrained
+from moemerge.loading import load_causal_lm, load_pretrained
 
 ModelRef = Path | str | torch.nn.Module | tuple  # a path, a model, or (model, tokenizer)
 
@@ -80,33 +80,13 @@ def _next_token_logits(model, ids: torch.Tensor, prompt: int) -> torch.Tensor:
 def _load(ref: ModelRef, tokenizer):
     """(model, tokenizer, loaded_here) for a path, a model (needs `tokenizer`) or a pair."""
     if isinstance(ref, (str, Path)):
-        from transformers.utils import logging as hf_logging
-
-        bars = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()  # a "Loading weights" bar per model only adds noise
-        try:
-            # moemerge's own MoE kinds with the installed code; never the model dir's
-            model = load_pretrained("AutoModelForCausalLM", ref, dtype=torch.float32)
-            tokenizer = load_pretrained("AutoTokenizer", ref)
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(
-                f"cannot load a causal LM and its tokenizer from {ref}: {exc}"
-            ) from None
-        finally:
-            if bars:
-                hf_logging.enable_progress_bar()
+        model, tokenizer = load_causal_lm(ref)  # moemerge's kinds with the installed code
         return model, tokenizer, True
     if isinstance(ref, tuple):
         return ref[0], ref[1], False
     if tokenizer is None:
         raise ValueError("a model given as an object needs tokenizer=... (or a (model, tok) pair)")
     return ref, tokenizer, False
-
-
-def load_causal_lm(path: Path) -> tuple:
-    """(model in float32, tokenizer) saved at `path`; moemerge's own MoE kinds included."""
-    model, tokenizer, _ = _load(Path(path), None)
-    return model, tokenizer
 
 
 def load_tokenizer(path: Path):

@@ -2,8 +2,10 @@
 
 Safetensors headers are parsed by hand (8-byte little-endian length, then JSON), so planning a
 build reads no tensor data and a truncated or corrupt file is caught before any work starts.
-Data is read through `safe_open` handles kept in a small LRU: a mapped file counts in RSS until
-its handle closes, so only `max_open_files` stay open.
+Tensor data is read with pread (`os.preadv`) straight into each tensor's own memory, through
+file descriptors kept in a small LRU (`max_open_files`); nothing is memory-mapped, so a model
+streamed through does not count in RSS (see `_RawFile`). Pickled .bin files (--allow-pickle)
+are the exception: `torch.load(mmap=True)`, each tensor copied out of the mapping.
 """
 
 from __future__ import annotations
@@ -235,8 +237,8 @@ class CheckpointReader:
                 for n, t in state.items() if isinstance(t, torch.Tensor)}
 
     def _handle(self, file: Path) -> Any:
-        """An open safe_open handle (or a memory-mapped pickle's dict), least recently used
-        closed first."""
+        """An open `_RawFile` (or a memory-mapped pickle's dict), least recently used closed
+        first."""
         if file in self._handles:
             self._handles.move_to_end(file)
             return self._handles[file]

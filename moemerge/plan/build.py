@@ -2,64 +2,13 @@
 
 from __future__ import annotations
 
-import torch
-
-from moemerge.architectures import TensorRole, moe_layouts
+from moemerge.architectures import moe_layouts
 from moemerge.architectures.config import dense_config, moe_config
 from moemerge.errors import MismatchError
-from moemerge.merge.registry import get
+from moemerge.plan.common import merge_job, output_dtype, write_order
 from moemerge.plan.jobs import Job, Plan, Source
-from moemerge.plan.params import resolve_merge
 from moemerge.plan.sources import SourceModel
 from moemerge.recipe.models import MergeRecipe, MoERecipe
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def output_dtype(requested: str, base: SourceModel) -> torch.dtype:
-    """'auto' keeps the base's dtype: its config's, else that of its embedding tensor."""
-    if requested != "auto":
-        return DTYPES[requested]
-    declared = base.config.get("torch_dtype") or base.config.get("dtype")
-    if declared in DTYPES:
-        return DTYPES[declared]
-    embed = next(n for n, r in base.roles.items() if r.role == "embed")
-    return base.reader.meta(embed).dtype
-
-
-def write_order(roles: dict[str, TensorRole]) -> list[str]:
-    """Embeddings first, then layer by layer, then final norm and head: the order loaders read."""
-
-    def key(name: str) -> tuple:
-        role = roles[name]
-        if role.layer is not None:
-            return (1, role.layer, name)
-        return (0 if role.role == "embed" else 2, 0, name)
-
-    return sorted(roles, key=key)
-
-
-def merge_job(
-    name: str, role: str, layer: int | None, shape, dtype, spec, merged: list[int], weights,
-    base: int | None, *, output: str | None = None, num_layers: int | None = None,
-) -> Job:
-    """Output tensor `output` (default `name`) from the tensors `name` of the models `merged`;
-    `num_layers` places `layer` on per-layer gradients."""
-    output = output or name
-    params = resolve_merge(spec, role, layer, num_layers, tensor=output)
-    if params.method == "base":
-        return Job(output, shape, dtype, "copy", role, layer, (Source(base, name),))
-    if len(merged) == 1 and params.method in ("average", "passthrough"):
-        return Job(output, shape, dtype, "copy", role, layer, (Source(merged[0], name),))
-    reads_base = base is not None and get(params.method).base != "ignored"
-    return Job(
-        output, shape, dtype, "merge", role, layer,
-        sources=tuple(Source(m, name) for m in merged),
-        # a method that ignores the base never reads it: that would cost one more model's I/O
-        base=Source(base, name) if reads_base else None,
-        weights=tuple(weights),
-        merge=params,
-    )
 
 
 def plan_merge(recipe: MergeRecipe, models: list[SourceModel]) -> Plan:

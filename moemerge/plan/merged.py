@@ -9,7 +9,7 @@ import torch
 from moemerge.architectures.config import merged_config
 from moemerge.errors import MismatchError
 from moemerge.modeling.curvature_moemerge import split_dim
-from moemerge.plan.build import merge_job, output_dtype, write_order
+from moemerge.plan.common import merge_job, output_dtype, write_order
 from moemerge.plan.jobs import Job, Plan, Source
 from moemerge.plan.sources import SourceModel
 from moemerge.recipe.merged import MergedExpertsRecipe

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from moemerge.architectures.config import sequence_config
-from moemerge.plan.build import merge_job, output_dtype, write_order
+from moemerge.plan.common import merge_job, output_dtype, write_order
 from moemerge.plan.jobs import Job, Plan, Source
 from moemerge.plan.params import ResolvedMerge
 from moemerge.plan.sources import SourceModel
@@ -110,17 +110,18 @@ def plan_bridged(recipe: BridgedRecipe, models: list[SourceModel]) -> Plan:
     width, vocab = max(widths), models[token].config["vocab_size"]
     dtype = output_dtype(recipe.output.dtype, models[token])
     weights = tuple(e.weight for e in recipe.experts)
-    jobs = [Job(SHARED[role], (vocab, width), dtype, "merge", role, None,
-                tuple(Source(i, role_tensor(m, role)) for i, m in enumerate(models)),
-                weights=weights, merge=ResolvedMerge("average"))
-            for role in ("embed", "lm_head")]
+    shared = {role: Job(SHARED[role], (vocab, width), dtype, "merge", role, None,
+                        tuple(Source(i, role_tensor(m, role)) for i, m in enumerate(models)),
+                        weights=weights, merge=ResolvedMerge("average"))
+              for role in ("embed", "lm_head")}
+    jobs = list(shared.values())
     jobs.append(_router_job(recipe, list(range(len(models))), models, width, dtype))
     init_range = models[token].config.get("initializer_range", 0.02)
     for i, model in enumerate(models):
         jobs += _body_jobs(i, model, f"experts.{i}.", dtype)
         for side, d_in, d_out in (("in", width, widths[i]), ("out", widths[i], width)):
             jobs += _projector_jobs(f"experts.{i}.proj_{side}", d_in, d_out, recipe, init_range,
-                                    dtype, fit=jobs[0 if side == "in" else 1],
+                                    dtype, fit=shared[SIDE_ROLE[side]],
                                     own=Source(i, role_tensor(model, SIDE_ROLE[side])))
     config = sequence_config(
         "bridged", [m.config for m in models], [m.label for m in models], dtype=dtype,

@@ -19,7 +19,7 @@ import math
 
 from moemerge.architectures.tables import MoELayout
 from moemerge.errors import RecipeError
-from moemerge.plan.build import merge_job
+from moemerge.plan.common import merge_job
 from moemerge.plan.jobs import Job, Source
 from moemerge.plan.sources import SourceModel
 from moemerge.recipe.merge import MergeSpec

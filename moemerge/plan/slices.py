@@ -7,7 +7,7 @@ from __future__ import annotations
 from moemerge.architectures.config import dense_config
 from moemerge.errors import MismatchError
 from moemerge.merge.registry import get
-from moemerge.plan.build import output_dtype, write_order
+from moemerge.plan.common import output_dtype, write_order
 from moemerge.plan.jobs import Job, Plan, Source
 from moemerge.plan.params import resolve_merge
 from moemerge.plan.sources import SourceModel

@@ -50,10 +50,31 @@ def resolve_ref(ref: ModelRef, recipe_dir: Path | None) -> Path:
     if candidate.exists():
         raise CheckpointError(f"model {ref.model} is the file {candidate}; a model is a "
                               "directory (config.json, weights, tokenizer) or a hub id")
+    if _bundled(recipe_dir) and ref.model.split("/", 1)[0] == "toy":  # never a hub id
+        toy = _shown(recipe_dir / "toy")
+        raise CheckpointError(f"model directory {_shown(candidate)} does not exist: the bundled "
+                              f"recipes use the toy experts; make them first with `moemerge toy "
+                              f"{toy}`")
     try:
         return resolve_model(ref.model, ref.revision, near=(recipe_dir,))
     except CheckpointError as exc:
         raise CheckpointError(f"{exc} (also looked for the directory {candidate})") from None
+
+
+def _bundled(recipe_dir: Path) -> bool:
+    """Whether `recipe_dir` is moemerge's own recipes directory (recipes/ in a checkout)."""
+    from importlib import resources
+
+    bundled = Path(str(resources.files("moemerge") / "recipes"))
+    return bundled.is_dir() and recipe_dir.resolve() == bundled.resolve()
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the working directory when it is under it (as the user typed it)."""
+    try:
+        return str(path.absolute().relative_to(Path.cwd().absolute()))
+    except ValueError:
+        return str(path)
 
 
 def open_sources(

@@ -28,7 +28,8 @@ from moemerge.architectures import moe_layouts
 from moemerge.architectures.config import moe_config
 from moemerge.errors import RecipeError
 from moemerge.merge.primitives import generator_for
-from moemerge.plan.build import output_dtype, refuse_unsupported_tensors, write_order
+from moemerge.plan.build import refuse_unsupported_tensors
+from moemerge.plan.common import output_dtype, write_order
 from moemerge.plan.jobs import Job, Plan, Source
 from moemerge.plan.shared import zeroed_shared_expert
 from moemerge.plan.sources import SourceModel

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from moemerge.io.atomic import owned_tempdir, sweep_stale
+from moemerge.loading import quiet_transformers
 from moemerge.toy.corpora import DOMAINS, domain_texts
 from moemerge.toy.tokenizer import train_tokenizer
 from moemerge.toy.train import (
@@ -34,7 +35,6 @@ from moemerge.toy.train import (
     init_model,
     make_random_model,
     model_config,
-    quiet_transformers,
     token_stream,
     train_lm,
 )

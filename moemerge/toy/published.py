@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from moemerge.toy.train import init_model, quiet_transformers
+from moemerge.loading import quiet_transformers
+from moemerge.toy.train import init_model
 
 CONFIGS_FILE = Path(__file__).with_name("published_configs.json")
 SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

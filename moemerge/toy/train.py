@@ -9,13 +9,13 @@ peak rate; gradients clipped at norm 1.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from moemerge.loading import quiet_transformers
 from moemerge.toy.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 MAX_THREADS = 2  # the development machines have 2 cores; more threads only spin
@@ -29,20 +29,6 @@ _CONFIGS = {  # family -> transformers config class
 FAMILIES = tuple(_CONFIGS)
 ROPE_THETA = 10000.0  # not any family's default, so a lost rope_theta shows up in tests
 SLIDING_WINDOW = 256  # mistral only; longer than test sequences, but not the default
-
-
-@contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """Silence transformers' own tqdm bars (writing shards) while rich shows ours, or none."""
-    from transformers.utils import logging as hf_logging
-
-    enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if enabled:
-            hf_logging.enable_progress_bar()
 
 
 def model_config(

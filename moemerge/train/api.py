@@ -14,16 +14,17 @@ import torch
 import yaml
 from rich.console import Console
 
-from moemerge.errors import CheckpointError, OutputError, RecipeError
+from moemerge.data import read_domains
+from moemerge.errors import OutputError, RecipeError
 from moemerge.io.atomic import check_free_space, sweep_output, sweep_stale
 from moemerge.io.paths import check_output_apart, working_directory
 from moemerge.io.reader import CheckpointReader
-from moemerge.loading import load_pretrained
+from moemerge.loading import load_causal_lm
 from moemerge.modeling import is_merged_experts, is_sequence_routed
 from moemerge.train import checkpoint, distributed, loop, report, sharding
 from moemerge.train.aux_loss import default_aux_loss_coef
 from moemerge.train.config import TrainConfig
-from moemerge.train.data import Blocks, collect_texts, make_blocks
+from moemerge.train.data import Blocks, make_blocks
 from moemerge.train.export import export, write_json
 from moemerge.train.memory import enable_gradient_checkpointing
 from moemerge.train.params import check_aux_loss, learned_routing, select_trainable
@@ -42,21 +43,12 @@ class FinetuneResult:
 
 
 def _load(cfg: TrainConfig, device: torch.device):
-    from moemerge.toy.train import quiet_transformers
-
     with CheckpointReader(Path(cfg.model)) as reader:  # clear errors for a missing/truncated one
         ours = is_sequence_routed(reader.config) or is_merged_experts(reader.config)
     # moemerge's own kinds load with the installed code, never the model dir's; other code
     # from the model dir only with --trust-remote-code
     trust = cfg.trust_remote_code and not ours
-    try:
-        with quiet_transformers():
-            tokenizer = load_pretrained("AutoTokenizer", cfg.model, trust_remote_code=trust)
-            model = load_pretrained("AutoModelForCausalLM", cfg.model, dtype=torch.float32,
-                                    trust_remote_code=trust)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot load a causal LM and its tokenizer from {cfg.model}: "
-                              f"{exc}") from None
+    model, tokenizer = load_causal_lm(cfg.model, trust_remote_code=trust)
     return model.to(device), tokenizer
 
 
@@ -113,7 +105,8 @@ def _finetune(cfg, ctx, console, on_step, config_file) -> FinetuneResult:
     if cfg.batch_size % (ctx.world * cfg.grad_accum):
         raise RecipeError(f"batch_size (--batch-size) {cfg.batch_size} must be divisible by "
                           f"{ctx.world} ranks × grad_accum {cfg.grad_accum}")
-    texts = collect_texts(cfg.data, cfg.text_field)  # data errors before loading any weights
+    texts = read_domains(cfg.data, text_field=cfg.text_field,  # data errors before any weights
+                         label_field=cfg.label_field)
     # FSDP: each rank loads the model on the CPU and moves only its shards to the device
     model, tokenizer = _load(cfg, torch.device("cpu") if ctx.sharded else ctx.device)
     if cfg.gradient_checkpointing:

@@ -24,38 +24,56 @@ class TrainConfig(BaseModel):
 
     model: str = Field(min_length=1, description="MoE model directory to train.")
     output: str = Field(min_length=1, description="Output model directory (written atomically).")
-    data: list[str] = Field(min_length=1, description="Text/JSONL files, dirs, or name=path.")
-    train: list[Part] = Field(default=["routers"], min_length=1)
-    seq_len: int = Field(default=256, ge=2)
-    eval_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
-    text_field: str = "text"
-    batch_size: int = Field(default=8, ge=1, description="Blocks per optimizer step, all ranks.")
-    grad_accum: int = Field(default=1, ge=1)
-    steps: int | None = Field(default=None, ge=1, description="Default: one pass (--epochs).")
-    epochs: float = Field(default=1.0, gt=0.0)
-    lr: float = Field(default=1e-3, gt=0.0)
-    weight_decay: float = Field(default=0.0, ge=0.0)
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int | None = Field(default=None, ge=0, description="Default: 10% of steps.")
-    max_grad_norm: float = Field(default=1.0, ge=0.0, description="0 disables clipping.")
+    data: list[str] = Field(min_length=1, description="Training text: a file, directory, JSONL, "
+                            "saved or hub dataset, or name=path (docs/data.md); repeat.")
+    train: list[Part] = Field(default=["routers"], min_length=1, description="What to train, "
+                              "comma-separated: routers (the default), projectors, "
+                              "curvature, or all.")
+    seq_len: int = Field(default=256, ge=2, description="Tokens per block.")
+    eval_fraction: float = Field(default=0.1, ge=0.0, lt=1.0, description="Held-out share of "
+                                 "each domain's blocks (a domain without held-out files).")
+    text_field: str = Field(default="text", description="JSONL data: the field holding the text.")
+    label_field: str = Field(default="domain", description="JSONL data: the field naming each "
+                             "record's domain, when the records have one.")
+    batch_size: int = Field(default=8, ge=1, description="Blocks per optimizer step over all "
+                            "processes.")
+    grad_accum: int = Field(default=1, ge=1, description="Micro-batches per optimizer step.")
+    steps: int | None = Field(default=None, ge=1, description="Optimizer steps; default: "
+                              "--epochs passes over the data.")
+    epochs: float = Field(default=1.0, gt=0.0, description="Passes over the data, when no "
+                          "--steps.")
+    lr: float = Field(default=1e-3, gt=0.0, description="Peak learning rate.")
+    weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay.")
+    schedule: Literal["cosine", "linear", "constant"] = Field(
+        default="cosine", description="Learning-rate schedule: cosine, linear or constant.")
+    warmup_steps: int | None = Field(default=None, ge=0, description="Warm-up steps; default: "
+                                     "10% of the steps.")
+    max_grad_norm: float = Field(default=1.0, ge=0.0, description="Gradient clipping norm; 0 "
+                                 "disables clipping.")
     aux_loss_coef: float | None = Field(
-        default=None, ge=0.0, description="Load-balancing loss coefficient. Default: 0.04 / "
+        default=None, ge=0.0, description="Load-balancing loss coefficient; default: 0.04 / "
         "top-k for an upcycled model whose routers train (train/aux_loss.py), else 0.")
-    eval_every: int = Field(default=0, ge=0)
-    seed: int = 0
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    eval_every: int = Field(default=0, ge=0, description="Evaluate every N steps; 0: at the "
+                            "end only.")
+    seed: int = Field(default=0, description="Seed of the data order and the RNG.")
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto, cpu or "
+                                                   "cuda.")
     autocast: Literal["auto", "off", "bf16"] = Field(
         default="auto", description="Mixed-precision forwards: auto = bf16 on CUDA, none on "
         "the CPU; bf16 = on either; off = float32.")
-    save_every: int = Field(default=0, ge=0)
-    keep_checkpoints: int = Field(default=2, ge=1)
-    resume: bool = False
-    force: bool = False
-    fsdp: bool = False
+    save_every: int = Field(default=0, ge=0, description="Checkpoint into OUT.checkpoints/ "
+                            "every N steps; 0: never.")
+    keep_checkpoints: int = Field(default=2, ge=1, description="Checkpoints kept.")
+    resume: bool = Field(default=False, description="Continue from the latest checkpoint.")
+    force: bool = Field(default=False, description="Replace OUT if it exists.")
+    fsdp: bool = Field(default=False, description="Under torchrun: shard parameters, gradients "
+                       "and optimizer states over the processes (FSDP), not DDP.")
     gradient_checkpointing: bool = Field(
         default=False, description="Recompute each decoder layer's activations in the backward "
-        "pass instead of keeping them: less memory, about one more forward of time.")
-    trust_remote_code: bool = False
+        "pass instead of keeping them: less memory, about a third more time per step.")
+    trust_remote_code: bool = Field(default=False, description="Run Python shipped in the "
+                                    "model directory (not moemerge's kinds, which use the "
+                                    "installed code). Only for models you trust.")
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
@@ -70,6 +88,15 @@ class TrainConfig(BaseModel):
         skip = {"output", "resume", "force", "save_every", "keep_checkpoints", "device",
                 "gradient_checkpointing"}  # recomputation gives the same gradients
         return self.model_dump(exclude=skip)
+
+
+def field_default(name: str) -> str | None:
+    """A field's default as `--help` shows it, or None when it has no plain one."""
+    info = TrainConfig.model_fields[name]
+    if info.is_required() or not isinstance(info.default, (int, float, str)) or \
+            isinstance(info.default, bool):
+        return None
+    return str(info.default)
 
 
 def _describe(err: dict, cli: bool) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from moemerge.data import SEP, domain_texts
 from moemerge.errors import OutputError, RecipeError
 from moemerge.eval.perplexity import perplexity
 from moemerge.execute import Load, compute
@@ -56,14 +57,9 @@ class TuneResult:
     chosen: dict[str, tuple[float, float | None]]  # role -> (λ, density); absent = recipe's
 
 
-def read_held_out(path: Path) -> str:
-    path = Path(path)
-    if not path.is_file():
-        raise RecipeError(f"--tune-on: {path} is not a file")
-    text = path.read_text(errors="replace")
-    if not text.strip():
-        raise RecipeError(f"--tune-on: {path} is empty")
-    return text
+def read_held_out(path: Path | str) -> str:
+    """The held-out text of every domain `path` holds (moemerge.data's rules), joined."""
+    return SEP.join(domain_texts([str(path)], what="--tune-on").values())
 
 
 def check_options(opts: TuneOptions) -> None:

@@ -63,8 +63,13 @@ def test_tables_json_markdown_plot(trio, tmp_path):
     assert ("embed", None) in layers and ("ffn", 1) in layers and ("norm", None) in layers
     assert isinstance(doc["verdict"], str) and doc["verdict"].endswith(".")
 
+    flat = " ".join(text.split())
+    for path, what in ((js, "the report as JSON"), (md, "the tables and verdict as markdown"),
+                       (png, "cosine heatmaps")):
+        assert f"wrote {what} to {path}" in flat, flat
     text_md = md.read_text()
     assert "| role | mean cos |" in text_md and "| ffn | 1 |" in text_md
+    assert str(base.parent) not in text_md and f"base `{base.name}`" in text_md  # no local paths
     assert doc["verdict"] in text_md
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1024

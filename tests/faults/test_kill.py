@@ -217,5 +217,6 @@ def test_export_sweeps_dead_temp_dirs(tiny_moe, tmp_path):
     for d in (stale, alive):
         d.mkdir()
     result = CliRunner().invoke(app, ["export", str(tiny_moe), str(tmp_path / "out")])
-    assert result.exit_code == 2 and "not a merged-experts model" in result.output, result.output
+    # the wrong model kind: exit 1, as in `route` and `inspect --data`
+    assert result.exit_code == 1 and "not a merged-experts model" in result.output, result.output
     assert not stale.exists() and alive.exists()

@@ -7,8 +7,8 @@ from typer.testing import CliRunner
 from moemerge.cli import app
 
 
-def test_demo_builds_the_bundled_recipes_and_prints_perplexities(tmp_path, monkeypatch):
-    monkeypatch.setenv("MOEMERGE_CACHE", str(tmp_path / "cache"))
+def test_demo_builds_the_bundled_recipes_and_prints_perplexities(tmp_path, tiny_toy):
+    """On the session's toy experts (tests/conftest.py): the demo finds them cached."""
     workdir = tmp_path / "demo"
     result = CliRunner().invoke(app, ["demo", "--preset", "tiny", "--workdir", str(workdir)])
     assert result.exit_code == 0, result.output

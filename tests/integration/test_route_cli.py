@@ -77,7 +77,7 @@ def test_route_refuses_token_routed_models_and_bad_jsonl(model_factory, tmp_path
     assert result.exit_code == 1 and "token-routed MoE routes each token" in result.output
     prompts.write_text('{"txt": "hi"}\n')
     result = runner.invoke(app, ["route", str(seq_moe), str(prompts)])
-    assert result.exit_code == 2 and "p.jsonl:1: not a JSON object with a 'text' field" in \
+    assert result.exit_code == 2 and "p.jsonl:1: no string field 'text' (--text-field)" in \
         " ".join(result.output.split())
 
 

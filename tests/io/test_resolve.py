@@ -1,6 +1,7 @@
 """resolve_model: local directories, paths that do not exist, hub ids (never the network)."""
 
 import socket
+from pathlib import Path
 
 import huggingface_hub
 import pytest
@@ -69,3 +70,23 @@ def test_hub_failure_online_is_a_checkpoint_error(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=r"org/name \(revision main\) .* could not be fetched"
                                               r".*ConnectionError: network is unreachable"):
         resolve_model("org/name", revision="main")
+
+
+def test_bundled_recipe_before_the_toy_experts_says_how_to_make_them(tmp_path, monkeypatch):
+    """`build recipes/toy_moe.yaml` before `moemerge toy recipes/toy`: no hub call (toy/base is
+    one `/` and names no existing directory, so only the bundled-recipe rule keeps it local)."""
+    from importlib import resources
+
+    from moemerge.api import build
+
+    bundled = Path(str(resources.files("moemerge") / "recipes"))
+    if (bundled / "toy").exists():
+        pytest.skip("recipes/toy exists in this checkout")
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: calls.append(a))
+    monkeypatch.chdir(bundled.resolve().parent)  # a checkout's root, or site-packages/moemerge
+    with pytest.raises(CheckpointError) as caught:
+        build(Path("recipes/toy_moe.yaml"), tmp_path / "out", dry_run=True)
+    assert calls == []
+    assert "model directory recipes/toy/base does not exist" in str(caught.value)
+    assert "`moemerge toy recipes/toy`" in str(caught.value)

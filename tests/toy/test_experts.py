@@ -66,8 +66,8 @@ def test_spec_key_is_stable_and_distinguishes_specs():
 
 
 @pytest.fixture(scope="module")
-def tiny_set(tmp_path_factory) -> ToySet:
-    return cached_toy_experts(TINY, cache_dir=tmp_path_factory.mktemp("cache"), progress=False)
+def tiny_set(tiny_toy) -> ToySet:
+    return tiny_toy  # the session's set (tests/conftest.py): trained once per cache
 
 
 def _own_domain_ppl(toyset: ToySet, model_dir, domain: str) -> float:
@@ -138,11 +138,11 @@ def test_model_config_rejects_unknown_family():
 
 
 @pytest.mark.slow
-def test_demo_experts_are_better_on_their_own_domain(tmp_path):
+def test_demo_experts_are_better_on_their_own_domain(moemerge_cache):
     """Measured own expert / base perplexity on DEMO seeds 0, 1, 2: code 0.84 / 0.88 / 0.86,
     prose 0.80 / 0.81 / 0.78, math 0.77 / 0.84 / 0.80. The bound 0.95 is 0.07 above the worst
     (code, seed 1), nearly twice the code spread over seeds (0.04)."""
-    toyset = cached_toy_experts(DEMO, cache_dir=tmp_path, progress=False)
+    toyset = cached_toy_experts(DEMO, progress=False)  # the session's cache: the demo's set
     for domain, expert in toyset.experts.items():
         base_ppl = _own_domain_ppl(toyset, toyset.base, domain)
         assert _own_domain_ppl(toyset, expert, domain) < 0.95 * base_ppl, domain

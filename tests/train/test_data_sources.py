@@ -31,3 +31,28 @@ def test_saved_dataset_errors_name_the_source(tmp_path):
         tmp_path / "two")
     with pytest.raises(RecipeError, match="no 'train' split among a, b"):
         collect_texts([str(tmp_path / "two")], "text")
+
+
+class _CharTokenizer:
+    """One token per character: enough to count blocks."""
+
+    eos_token_id = 0
+
+    def __call__(self, text, **_):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_held_out_files_are_evaluated_never_trained_on(tmp_path):
+    from moemerge.data import read_domains
+    from moemerge.train.data import make_blocks
+
+    (tmp_path / "code.train.txt").write_text("t" * 79)  # 80 tokens with EOS: 8 blocks of 10
+    (tmp_path / "code.eval.txt").write_text("e" * 19)  # 2 blocks
+    (tmp_path / "prose.txt").write_text("p" * 99)  # 10 blocks, every 5th held out
+    blocks = make_blocks(read_domains([str(tmp_path)]), _CharTokenizer(), 9, 0.2)
+    assert blocks.domains == ["code", "prose"]
+    code_eval = blocks.tokens[blocks.eval_ids][blocks.domain[blocks.eval_ids] == 0]
+    code_train = blocks.tokens[blocks.train_ids][blocks.domain[blocks.train_ids] == 0]
+    assert code_eval.shape[0] == 2 and (code_eval[:, :-1] == ord("e")).all()
+    assert code_train.shape[0] == 8 and not (code_train == ord("e")).any()
+    assert int((blocks.domain[blocks.eval_ids] == 1).sum()) == 2

@@ -16,12 +16,12 @@ def test_bad_data(model_factory, tmp_path):
     dense = model_factory("llama")
     (tmp_path / "empty.txt").write_text("")
     code, text = run(dense, tmp_path / "o", "--data", tmp_path / "empty.txt")
-    assert code == 2 and "'empty'" in text and "block" in text
+    assert code == 2 and "empty.txt: empty file" in text
     (tmp_path / "short.txt").write_text("def add(a, b): return a + b\n")
     code, text = run(dense, tmp_path / "o", "--data", tmp_path / "short.txt", "--seq-len", "64")
     assert code == 2 and "short" in text and "--seq-len" in text
     code, text = run(dense, tmp_path / "o", "--data", tmp_path / "missing.txt")
-    assert code == 2 and "does not exist" in text
+    assert code == 2 and "missing.txt: no such file or directory" in text
     code, text = run(dense, tmp_path / "o", "--data", "org/some-dataset")  # offline: no hub
     assert code == 2 and ("cannot load it with datasets" in text
                           or "needs the 'datasets' package" in text), text

@@ -6,7 +6,8 @@ from typer.testing import CliRunner
 
 from moemerge.api import RECIPE_COPY, build
 from moemerge.cli import app
-from moemerge.eval.perplexity import load_causal_lm, perplexity
+from moemerge.eval.perplexity import perplexity
+from moemerge.loading import load_causal_lm
 from moemerge.tune import TUNING_FILE, TuneOptions
 
 runner = CliRunner()
@@ -78,8 +79,8 @@ def test_bad_input_fails_before_any_work(model_factory, tmp_path, held_out):
     ties = recipe(tmp_path, base, [base, base], "{method: ties}")
     out = tmp_path / "out"
     cases = [
-        ((tmp_path / "missing.txt",), "is not a file"),
-        ((write_recipe(tmp_path / "empty.txt", " \n"),), "is empty"),
+        ((tmp_path / "missing.txt",), "missing.txt: no such file or directory"),
+        ((write_recipe(tmp_path / "empty.txt", " \n"),), "empty.txt: empty file"),
         ((write_recipe(tmp_path / "short.txt", "def add"),), "fewer than one window"),
         ((held_out, "--tune-lambdas", "0.5,x"), "comma-separated numbers"),
         ((held_out, "--tune-densities", "0,0.5"), "must be in (0, 1]"),
