@@ -36,7 +36,7 @@ from moemerge.plan.memory import Estimate, estimate
 from moemerge.plan.merged import plan_merged_experts
 from moemerge.plan.params import override_layer_warnings
 from moemerge.plan.sequence import plan_bridged, plan_seq_routed
-from moemerge.plan.sources import SourceModel, open_sources
+from moemerge.plan.sources import SourceModel, check_assembly, open_sources
 from moemerge.plan.upcycle import plan_upcycle, upcycle_sources
 from moemerge.plan.vocab import map_vocabularies
 from moemerge.recipe.load import AnyRecipe, load_recipe, parse_recipe
@@ -85,6 +85,8 @@ def _labelled_refs(recipe: AnyRecipe) -> list[tuple[str, object]]:
 
 
 def make_plan(recipe: AnyRecipe, models: list[SourceModel]) -> Plan:
+    if hasattr(recipe, "assembly"):
+        check_assembly(recipe.assembly, models)
     if isinstance(recipe, MergeRecipe):
         return plan_merge(recipe, models)
     if isinstance(recipe, SeqRoutedRecipe):
@@ -116,7 +118,8 @@ def _router_maker(recipe: AnyRecipe, models: list[SourceModel]):
         return UpcycleRouterFactory(recipe, models[0].config).make
     if isinstance(recipe, MoERecipe):
         base = models[0]
-        return RouterFactory(recipe, base.path, base.config, lambda: _embed_and_norms(base)).make
+        return RouterFactory(recipe, base.path, base.config, lambda: _embed_and_norms(base),
+                             ffn_module=base.family.ffn_module).make
     source = _tokenizer_source(recipe, models)
     return SequenceRouterFactory(recipe, source.path, source.config).make
 
@@ -290,12 +293,17 @@ def _override_warnings(recipe: AnyRecipe, models: list[SourceModel], plan: Plan)
 
 
 def _embed_and_norms(base: SourceModel):
-    """The base's embedding [V, H] and post-attention norm weights, for cheap_embed routers."""
+    """The base's embedding [V, H] and, per layer, the weight of the norm its FFN reads through
+    (the family table's `router_input_norm`; ones where there is none), for cheap_embed."""
+    import torch
+
     embed = next(n for n, r in base.roles.items() if r.role == "embed")
-    norms = sorted(
-        (r.layer, n) for n, r in base.roles.items() if n.endswith("post_attention_layernorm.weight")
-    )
-    return base.reader.read(embed), [base.reader.read(n) for _, n in norms]
+    layers = base.config["num_hidden_layers"]
+    norm = base.family.router_input_norm
+    if norm is None:
+        return base.reader.read(embed), [torch.ones(base.config["hidden_size"])] * layers
+    return base.reader.read(embed), [base.reader.read(f"model.layers.{layer}.{norm}")
+                                     for layer in range(layers)]
 
 
 def _with_progress(jobs, plan: Plan, enabled: bool):

@@ -57,6 +57,10 @@ def compute(job: Job, load: Load, make_router: MakeRouter | None, seed: int,
     elif job.kind == "router":
         assert make_router is not None, "router job without a router factory"
         out = make_router(job, load)
+    elif job.kind == "fuse":  # each group's parts concatenated by rows, the groups stacked
+        out = torch.stack([torch.cat([compute(part, load, make_router, seed, device)
+                                      for part in group]) for group in job.parts])
+        out = out.reshape(job.shape)
     else:
         params = job.merge
         assert params is not None

@@ -11,6 +11,17 @@ from safetensors.torch import load_file, save_file
 
 torch.set_num_threads(2)
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# sources of token-routed builds only (post-norms, multipliers: architectures/dense.yaml)
+TOKEN_ROUTED_FAMILIES = (*FAMILIES, "olmo2", "granite")
+
+
+def needs_class(name: str):
+    """A skip mark for tests of a transformers class the installed version lacks (FlexOlmo
+    arrived in transformers 4.57; the floor is 4.56.2)."""
+    import transformers
+
+    return pytest.mark.skipif(not hasattr(transformers, name),
+                              reason=f"transformers {transformers.__version__} has no {name}")
 
 
 def write_recipe(path: Path, text: str) -> Path:

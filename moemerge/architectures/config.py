@@ -55,25 +55,19 @@ def moe_config(
     source: dict, layout: MoELayout, dtype: torch.dtype, *, num_experts: int,
     experts_per_token: int, shared_width: int = 1,
 ) -> dict:
+    """The layout's config.json: the source's keys, the expert counts and widths under the
+    layout's own key names, and its fixed settings (all from moe.yaml)."""
     config = {"architectures": [layout.architecture], "model_type": layout.model_type}
-    config.update({k: source[k] for k in COPIED if k in source})
+    config.update({k: source[k] for k in (*COPIED, *layout.copied_config) if k in source})
     config.update(rope_keys(source), torch_dtype=dtype_name(dtype))
     config.setdefault("tie_word_embeddings", False)
     config.update(num_experts_per_tok=experts_per_token, output_router_logits=False)
-    intermediate = source["intermediate_size"]
-    if layout.model_type == "mixtral":
-        config.update(num_local_experts=num_experts, router_aux_loss_coef=0.02,
-                      router_jitter_noise=0.0)
-    else:  # Qwen MoEs: renormalised top-k matches Mixtral (and keeps the identical-experts
-        # parity; llama.cpp's qwen2moe skips it: plan/shared.py warns); every layer sparse
-        config.update(
-            num_experts=num_experts, moe_intermediate_size=intermediate,
-            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-            router_aux_loss_coef=0.001,
-        )
-    if layout.model_type == "qwen2_moe":
-        # the mandatory shared expert: zeros of width 1, or a whole FFN (plan/shared.py)
-        config.update(shared_expert_intermediate_size=shared_width, qkv_bias=True)
+    config[layout.num_experts_key] = num_experts
+    config[layout.expert_width_key] = source["intermediate_size"]
+    if layout.shared_width_key is not None:
+        # Qwen2-MoE's mandatory shared expert: zeros of width 1, or a whole FFN (plan/shared.py)
+        config[layout.shared_width_key] = shared_width
+    config.update(layout.config)
     return config
 
 

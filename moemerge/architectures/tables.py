@@ -32,6 +32,20 @@ class DenseFamily:
     tensors: dict[str, str]
     layer_tensors: dict[str, str]
     optional: frozenset[str] = field(default_factory=frozenset)
+    shared_target: str | None = None  # the layout when the recipe asks for a shared expert
+    router_input_norm: str | None = None  # the norm the FFN reads through (None: no norm)
+    assemblies: frozenset[str] | None = None  # the MoE assemblies it may feed (None: all)
+    must_agree: tuple[str, ...] = ()  # config keys every merged model must share
+
+    def target(self, shared_expert: bool) -> str:
+        """The MoE layout a token-routed build writes, with or without a shared expert."""
+        return self.shared_target if shared_expert and self.shared_target else self.moe_target
+
+    @property
+    def ffn_module(self) -> str:
+        """The layer's FFN module ("mlp"): its input is what an MoE's router reads."""
+        gate = next(rest for rest, role in self.layer_tensors.items() if role == "ffn.gate")
+        return gate.rsplit(".", 2)[0]
 
     def classify(self, name: str) -> TensorRole | None:
         if name in self.tensors:
@@ -65,6 +79,14 @@ class MoELayout:
     shared_expert: str | None = None  # the always-on expert's tensors, `{proj}` filled in
     shared_expert_gate: str | None = None  # its sigmoid gate [1, H]
     llama_cpp_renormalises_topk: bool = True
+    holds_biases: bool = True
+    num_experts_key: str = "num_experts"
+    expert_width_key: str = "intermediate_size"
+    shared_width_key: str | None = None
+    copied_config: tuple[str, ...] = ()  # source config keys this layout needs beyond COPIED
+    config: dict = field(default_factory=dict)  # fixed config.json settings
+    fused: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> projections
+    fused_shared: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def expert_name(self, layer: int, expert: int, proj: str) -> str:
         return self.expert.format(layer=layer, expert=expert, proj=self.projections[proj])
@@ -100,6 +122,10 @@ def dense_families() -> dict[str, DenseFamily]:
             tensors=dict(spec["tensors"]),
             layer_tensors=dict(spec["layer_tensors"]),
             optional=frozenset(spec.get("optional", ())),
+            shared_target=spec.get("shared_target"),
+            router_input_norm=spec.get("router_input_norm"),
+            assemblies=frozenset(spec["assemblies"]) if "assemblies" in spec else None,
+            must_agree=tuple(spec.get("must_agree", ())),
         )
         for name, spec in _load("dense.yaml").items()
     }
@@ -107,7 +133,13 @@ def dense_families() -> dict[str, DenseFamily]:
 
 @cache
 def moe_layouts() -> dict[str, MoELayout]:
-    return {name: MoELayout(name=name, **spec) for name, spec in _load("moe.yaml").items()}
+    def layout(name: str, spec: dict) -> MoELayout:
+        tuples = {key: tuple(spec[key]) for key in ("copied_config",) if key in spec}
+        fused = {key: {n: tuple(p) for n, p in spec[key].items()}
+                 for key in ("fused", "fused_shared") if key in spec}
+        return MoELayout(name=name, **{**spec, **tuples, **fused})
+
+    return {name: layout(name, spec) for name, spec in _load("moe.yaml").items()}
 
 
 def family_for_config(config: dict, where: str) -> DenseFamily:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from moemerge.architectures import moe_layouts
+from moemerge.architectures import MoELayout, moe_layouts
 from moemerge.architectures.config import dense_config, moe_config
 from moemerge.errors import MismatchError
 from moemerge.plan.common import merge_job, output_dtype, write_order
+from moemerge.plan.fused import fuse_jobs
 from moemerge.plan.jobs import Job, Plan, Source
 from moemerge.plan.sources import SourceModel
 from moemerge.recipe.models import MergeRecipe, MoERecipe
@@ -44,13 +45,13 @@ def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:
     )
 
     base = models[0]
-    layout = moe_layouts()[base.family.moe_target]
+    layout = moe_layouts()[base.family.target(recipe.shared_expert != "none")]
     dtype = output_dtype(recipe.output.dtype, base)
     experts = list(range(1, len(models)))
     ffn_owners = experts + ([0] if recipe.include_base_expert else [])
     weights = [e.weight for e in recipe.experts]
     hidden = base.config["hidden_size"]
-    refuse_unsupported_tensors(base, layout.name)
+    refuse_unsupported_tensors(base, layout)
     check_shared_expert(recipe, layout)
 
     jobs: list[Job] = []
@@ -83,16 +84,16 @@ def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:
         experts_per_token=recipe.experts_per_token,
         shared_width=shared_expert_width(recipe, base),
     )
-    return Plan([m.label for m in models], jobs, config,
+    return Plan([m.label for m in models], fuse_jobs(layout, jobs), config,
                 notes=downstream_notes(recipe, layout, len(ffn_owners)))
 
 
-def refuse_unsupported_tensors(base: SourceModel, target: str) -> None:
-    if target == "mixtral":
+def refuse_unsupported_tensors(base: SourceModel, layout: MoELayout) -> None:
+    if not layout.holds_biases:
         biased = [n for n in base.roles if n.endswith(".bias")]
         if biased:
             raise MismatchError(
-                f"{base.where()} has bias tensors (e.g. {biased[0]!r}) but Mixtral has no biases; "
-                "a Llama/Mistral with attention or MLP biases cannot become a Mixtral without "
+                f"{base.where()} has bias tensors (e.g. {biased[0]!r}) but {layout.architecture} "
+                "has no biases; a source with attention or MLP biases cannot become one without "
                 "losing them. Qwen2 sources (biased attention) go to Qwen2-MoE instead."
             )

@@ -9,7 +9,7 @@ import torch
 
 from moemerge.plan.params import ResolvedMerge
 
-JobKind = Literal["copy", "merge", "router", "zeros", "identity", "random", "lstsq"]
+JobKind = Literal["copy", "merge", "router", "zeros", "identity", "random", "lstsq", "fuse"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,9 @@ class Job:
     random:   N(0, std²), seeded from (recipe seed, output name).
     lstsq:    a bridged projector fitted by least squares: the padded average of `sources`
               (weights) against `base`, the expert's own embedding or head.
+    fuse:     `parts` groups of jobs: each group's outputs concatenated by rows, the groups
+              stacked ([groups, rows, cols]; [rows, cols] when the shape has two axes):
+              the fused experts of GraniteMoE (plan/fused.py).
     """
 
     output: str
@@ -49,11 +52,13 @@ class Job:
     merge: ResolvedMerge | None = None
     router_init: str | None = None
     std: float | None = None  # kind random
+    parts: tuple[tuple[Job, ...], ...] = ()  # kind fuse
 
     @property
     def inputs(self) -> list[Source]:
         """Every tensor the job reads: its sources, then its base."""
-        return [*self.sources, *([self.base] if self.base is not None else [])]
+        own = [*self.sources, *([self.base] if self.base is not None else [])]
+        return own + [s for group in self.parts for part in group for s in part.inputs]
 
     @property
     def nbytes(self) -> int:
@@ -88,6 +93,9 @@ class Plan:
             how = f"router init={job.router_init}"
         elif job.kind == "random":
             how = f"random std={job.std:g}"
+        elif job.kind == "fuse":
+            how = (f"fuse {len(job.parts)} × [" + "; ".join(self.describe_job(p) for p in
+                                                          job.parts[0]) + ", …]")
         else:
             how = job.kind
         return how

@@ -29,6 +29,8 @@ class Estimate:
 
 def working_set(job: Job) -> int:
     """The merge's own float32 working set beyond its inputs and output."""
+    if job.kind == "fuse":  # its parts are computed one after another
+        return max(working_set(part) for group in job.parts for part in group)
     if job.kind != "merge" or job.merge is None:
         return 0
     n = len(job.inputs)

@@ -1,4 +1,5 @@
-"""The always-on shared expert of token-routed layouts that have one (Qwen2-MoE).
+"""The always-on shared expert of token-routed layouts that have one (Qwen2-MoE,
+GraniteMoeShared).
 
 Qwen2-MoE's FFN is  routed(x) + sigmoid(g . x) * shared(x),  with g = shared_expert_gate [1, H]
 and x the post-attention-normed hidden state. The recipe's `shared_expert` picks `shared`:
@@ -11,6 +12,9 @@ so sigmoid(g . x) ≈ 0.5 for every token and the gate is free to move either wa
 The gate has no bias, so no row makes sigmoid(g . x) small for every x; ≈ 0.5 is the neutral
 start, and with `base` the FFN begins as  routed(x) + ½ FFN_base(x)  (docs/recipes.md). g is
 never all zeros: llama.cpp evaluates this sigmoid as silu(z) / z, which is 0 / 0 = NaN at z = 0.
+
+GraniteMoeShared adds its shared MLP with no gate: routed(x) + shared(x). Granite sources with
+`shared_expert: none` become a GraniteMoE (no shared MLP at all) instead.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ def check_shared_expert(recipe: MoERecipe, layout: MoELayout) -> None:
     if recipe.shared_expert != "none" and layout.shared_expert is None:
         raise RecipeError(
             f"shared_expert: {recipe.shared_expert!r} needs an output layout with a shared expert "
-            f"(qwen2_moe, from Qwen2 sources); this base becomes {layout.name}, which has none. "
+            f"(qwen2_moe from Qwen2 sources, granitemoeshared from Granite sources); this "
+            f"base becomes {layout.name}, which has none. "
             "Remove shared_expert or use shared_expert: none."
         )
 
@@ -40,7 +45,7 @@ def check_shared_expert(recipe: MoERecipe, layout: MoELayout) -> None:
 def shared_expert_jobs(recipe: MoERecipe, layout: MoELayout, base: SourceModel, layer: int,
                        dtype, experts: list[int]) -> list[Job]:
     """The shared expert's projections and its gate in `layer` (none if the layout has none)."""
-    if layout.shared_expert is None or layout.shared_expert_gate is None:
+    if layout.shared_expert is None:
         return []
     if recipe.shared_expert == "none":
         return zeroed_shared_expert(layout, base, layer, dtype)
@@ -53,7 +58,7 @@ def shared_expert_jobs(recipe: MoERecipe, layout: MoELayout, base: SourceModel, 
         else:  # the experts' FFN average, with the recipe's expert weights
             jobs.append(merge_job(name, "ffn", layer, shape, dtype, MergeSpec(), experts,
                                   [e.weight for e in recipe.experts], None, output=output))
-    return [*jobs, _gate(layout, base, layer, dtype)]
+    return [*jobs, *_gate(layout, base, layer, dtype)]
 
 
 def zeroed_shared_expert(layout: MoELayout, base: SourceModel, layer: int,
@@ -61,12 +66,12 @@ def zeroed_shared_expert(layout: MoELayout, base: SourceModel, layer: int,
     """A shared expert of width 1 and all zeros (its output is 0, so the logits are the routed
     experts' alone) behind a gate that is never exactly zero (llama.cpp); none if the layout has
     no shared expert."""
-    if layout.shared_expert is None or layout.shared_expert_gate is None:
+    if layout.shared_expert is None:
         return []
     hidden = base.config["hidden_size"]
     jobs = [Job(layout.shared_name(layer, proj), (hidden, 1) if proj == "down" else (1, hidden),
                 dtype, "zeros", "ffn", layer) for proj, _ in _ffn(base, layer)]
-    return [*jobs, _gate(layout, base, layer, dtype)]
+    return [*jobs, *_gate(layout, base, layer, dtype)]
 
 
 def _ffn(base: SourceModel, layer: int) -> list[tuple[str, str]]:
@@ -75,10 +80,12 @@ def _ffn(base: SourceModel, layer: int) -> list[tuple[str, str]]:
                   if r.layer == layer and r.role == "ffn")
 
 
-def _gate(layout: MoELayout, base: SourceModel, layer: int, dtype) -> Job:
+def _gate(layout: MoELayout, base: SourceModel, layer: int, dtype) -> list[Job]:
+    if layout.shared_expert_gate is None:  # GraniteMoeShared: added ungated
+        return []
     hidden = base.config["hidden_size"]
-    return Job(layout.shared_expert_gate.format(layer=layer), (1, hidden), dtype, "random", "ffn",
-               layer, std=GATE_SCALE / math.sqrt(hidden))
+    return [Job(layout.shared_expert_gate.format(layer=layer), (1, hidden), dtype, "random",
+                "ffn", layer, std=GATE_SCALE / math.sqrt(hidden))]
 
 
 def shared_expert_width(recipe: MoERecipe, base: SourceModel) -> int:

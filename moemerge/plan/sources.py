@@ -119,7 +119,7 @@ def check_compatible(models: list[SourceModel]) -> None:
                 f"{other.where()} is {other.config.get('model_type')}; models merged together "
                 "must share one architecture"
             )
-        for key in MUST_AGREE:
+        for key in (*MUST_AGREE, *ref.family.must_agree):
             a, b = ref.config.get(key), other.config.get(key)
             if a != b and not (key == "tie_word_embeddings" and not a and not b):
                 raise MismatchError(
@@ -179,3 +179,14 @@ def _check_vocab(ref: SourceModel, other: SourceModel) -> None:
             f"different vocabularies: the tokenizer of {other.where()} differs from that of "
             f"{ref.where()}; token ids would not line up. Merge only models that share a tokenizer."
         )
+
+
+def check_assembly(assembly: str, models: list[SourceModel]) -> None:
+    """Refuse a source whose family cannot feed `assembly` (architectures/dense.yaml)."""
+    for model in models:
+        allowed = model.family.assemblies
+        if allowed is not None and assembly not in allowed:
+            raise MismatchError(
+                f"{model.where()} is {model.config.get('model_type')}, which moemerge builds "
+                f"into assembly {', '.join(sorted(allowed))} only, not {assembly}"
+            )

@@ -30,6 +30,7 @@ from moemerge.errors import RecipeError
 from moemerge.merge.primitives import generator_for
 from moemerge.plan.build import refuse_unsupported_tensors
 from moemerge.plan.common import output_dtype, write_order
+from moemerge.plan.fused import fuse_jobs
 from moemerge.plan.jobs import Job, Plan, Source
 from moemerge.plan.shared import zeroed_shared_expert
 from moemerge.plan.sources import SourceModel
@@ -171,7 +172,7 @@ def plan_upcycle(recipe: UpcycleRecipe, models: list[SourceModel]) -> Plan:
     layer, and experts c·m + j = slice j of copy c."""
     dense, view = models[0], models[1].reader
     layout = moe_layouts()[dense.family.moe_target]
-    refuse_unsupported_tensors(dense, layout.name)
+    refuse_unsupported_tensors(dense, layout)
     dtype = output_dtype(recipe.output.dtype, dense)
     hidden, m = dense.config["hidden_size"], recipe.granularity
     jobs: list[Job] = []
@@ -196,4 +197,4 @@ def plan_upcycle(recipe: UpcycleRecipe, models: list[SourceModel]) -> Plan:
     source = dict(dense.config, intermediate_size=view.width)
     config = moe_config(source, layout, dtype, num_experts=recipe.num_experts,
                         experts_per_token=recipe.top_k)
-    return Plan([m_.label for m_ in models], jobs, config)
+    return Plan([m_.label for m_ in models], fuse_jobs(layout, jobs), config)

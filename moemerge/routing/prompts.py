@@ -1,7 +1,9 @@
 """Mean hidden states of prompts, for the `prompts` and `cheap_embed` router inits.
 
 Both need the base model's tokenizer; `prompts` also runs the base model (loaded once, in fp32,
-with transformers) and records each layer's router input: the output of post_attention_layernorm.
+with transformers) and records each layer's router input: the input of its FFN module (the
+architecture table's `ffn_module`: after post_attention_layernorm in Llama, the residual stream
+itself in OLMo 2).
 """
 
 from __future__ import annotations
@@ -34,21 +36,21 @@ def _load_tokenizer(base_dir: Path):
         ) from None
 
 
-def _per_layer_means(model, ids_list: list[torch.Tensor]) -> torch.Tensor:
-    """Mean router input over every token of the prompts: [L, H]."""
+def _per_layer_means(model, ids_list: list[torch.Tensor], ffn_module: str) -> torch.Tensor:
+    """Mean router input (the FFN module's input) over every token of the prompts: [L, H]."""
     layers = model.model.layers
     sums = [None] * len(layers)
     count = 0
 
     def hook(index):
-        def record(_module, _inputs, output):
-            total = output[0].sum(dim=0)  # output: [1, T, H] -> [H]
+        def record(_module, inputs):
+            total = inputs[0][0].sum(dim=0)  # inputs[0]: [1, T, H] -> [H]
             sums[index] = total if sums[index] is None else sums[index] + total
 
         return record
 
     handles = [
-        layer.post_attention_layernorm.register_forward_hook(hook(i))
+        layer.get_submodule(ffn_module).register_forward_pre_hook(hook(i))
         for i, layer in enumerate(layers)
     ]
     try:
@@ -63,7 +65,8 @@ def _per_layer_means(model, ids_list: list[torch.Tensor]) -> torch.Tensor:
 
 
 def prompt_router_rows(
-    base_dir: Path, experts: list[ExpertRef], *, include_base: bool, max_tokens: int
+    base_dir: Path, experts: list[ExpertRef], *, include_base: bool, max_tokens: int,
+    ffn_module: str = "mlp",
 ) -> torch.Tensor:
     """Router weights for every layer from the experts' prompts: [L, E, H]."""
     tokenizer = _load_tokenizer(base_dir)
@@ -76,7 +79,7 @@ def prompt_router_rows(
 
     def means(prompts: list[str]) -> torch.Tensor | None:
         ids = _tokenize(tokenizer, prompts, max_tokens)
-        return _per_layer_means(model, ids) if ids else None
+        return _per_layer_means(model, ids, ffn_module) if ids else None
 
     positive = [means(e.positive_prompts) for e in experts]
     negative = [means(e.negative_prompts) for e in experts]
@@ -92,7 +95,8 @@ def embed_router_rows(
     include_base: bool,
     max_tokens: int,
 ) -> torch.Tensor:
-    """cheap_embed: embed [V, H], norms[l] [H] post-attention norm weights -> [L, E, H]."""
+    """cheap_embed: embed [V, H], norms[l] [H] the weights of the norm the FFN reads through
+    (ones where it reads the residual stream unnormed) -> [L, E, H]."""
     tokenizer = _load_tokenizer(base_dir)
     scale = torch.stack([n.float() for n in norms])  # [L, H]
 

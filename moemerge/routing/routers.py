@@ -19,7 +19,8 @@ Load = Callable[[Source], torch.Tensor]
 class RouterFactory:
     """Token routers: built once per build; `make(job, load)` returns a layer's router [E, H]."""
 
-    def __init__(self, recipe: MoERecipe, base_dir: Path, base_config: dict, load_base: Callable):
+    def __init__(self, recipe: MoERecipe, base_dir: Path, base_config: dict, load_base: Callable,
+                 *, ffn_module: str = "mlp"):
         self.recipe = recipe
         self.std = recipe.router.std or base_config.get("initializer_range", 0.02)
         self._rows: torch.Tensor | None = None  # [L, E, H] for prompts / cheap_embed
@@ -28,7 +29,8 @@ class RouterFactory:
             "max_tokens": recipe.router.max_prompt_tokens,
         }
         if init == "prompts":
-            self._rows = prompt_router_rows(base_dir, recipe.experts, **kwargs)
+            self._rows = prompt_router_rows(base_dir, recipe.experts, ffn_module=ffn_module,
+                                            **kwargs)
         elif init == "cheap_embed":
             embed, norms = load_base()
             self._rows = embed_router_rows(base_dir, recipe.experts, embed, norms, **kwargs)

@@ -2,7 +2,8 @@
 
 The configs (published_configs.json) carry the keys that trip merge tools: tied embeddings (no
 `lm_head.weight` on disk), llama3 rope scaling, Qwen's sliding-window keys present but off, an
-explicit `head_dim` that is not hidden / heads (Qwen3), bf16. `published_model` writes random
+explicit `head_dim` that is not hidden / heads (Qwen3), Granite's multipliers, bf16 (OLMo 2 is
+published in fp32). `published_model` writes random
 weights in that dtype and the config.json in the publisher's classic keys, as the hub has them
 (not re-serialised by the installed transformers).
 """
@@ -40,18 +41,20 @@ def shrunk_config(name: str, **shape) -> dict:
     if "max_window_layers" in config:
         config["max_window_layers"] = config["num_hidden_layers"]
     vocab = config["vocab_size"]
-    for key in ("bos_token_id", "eos_token_id"):
+    for key, inside in (("bos_token_id", 1), ("eos_token_id", 2), ("pad_token_id", 0)):
         if isinstance(config.get(key), int) and config[key] >= vocab:
-            config[key] = {"bos_token_id": 1, "eos_token_id": 2}[key]
+            config[key] = inside
     return config
 
 
 def published_model(name: str, out_dir: Path, *, seed: int = 0, tokenizer=None,
-                    dtype: torch.dtype = torch.bfloat16, **shape) -> Path:
-    """Write a random checkpoint with the (shrunk) published config `name` to `out_dir`."""
+                    dtype: torch.dtype | None = None, **shape) -> Path:
+    """Write a random checkpoint with the (shrunk) published config `name` to `out_dir`, in
+    `dtype` (default: the config's torch_dtype, as published)."""
     from transformers import AutoConfig
 
     values = shrunk_config(name, **shape)
+    dtype = dtype or getattr(torch, values["torch_dtype"])
     kwargs = {k: v for k, v in values.items()
               if k not in ("architectures", "model_type", "torch_dtype", "transformers_version")}
     config = AutoConfig.for_model(values["model_type"], **kwargs)

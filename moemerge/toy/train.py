@@ -25,10 +25,15 @@ _CONFIGS = {  # family -> transformers config class
     "mistral": "MistralConfig",
     "qwen2": "Qwen2Config",
     "qwen3": "Qwen3Config",
+    "olmo2": "Olmo2Config",  # post-norms, q/k norms over all heads
+    "granite": "GraniteConfig",
 }
 FAMILIES = tuple(_CONFIGS)
 ROPE_THETA = 10000.0  # not any family's default, so a lost rope_theta shows up in tests
 SLIDING_WINDOW = 256  # mistral only; longer than test sequences, but not the default
+# granite only: none is the default 1.0, so a multiplier an output loses shows up in tests
+GRANITE_MULTIPLIERS = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                       "attention_multiplier": 0.015625, "logits_scaling": 2.0}
 
 
 def model_config(
@@ -43,12 +48,13 @@ def model_config(
     tie_word_embeddings: bool = False,
     max_positions: int = 2048,
 ):
-    """A transformers config of `family` (llama, mistral, qwen2, qwen3) at the given size."""
+    """A transformers config of `family` (one of FAMILIES) at the given size."""
     import transformers
 
     if family not in _CONFIGS:
         raise ValueError(f"unknown family {family!r}; known families: {', '.join(FAMILIES)}")
-    extra = {"sliding_window": SLIDING_WINDOW} if family == "mistral" else {}
+    extra = {"mistral": {"sliding_window": SLIDING_WINDOW},
+             "granite": GRANITE_MULTIPLIERS}.get(family, {})
     return getattr(transformers, _CONFIGS[family])(
         vocab_size=vocab,
         hidden_size=hidden,

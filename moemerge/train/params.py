@@ -1,8 +1,10 @@
 """Which parameters train, found by module structure, and where each lives on disk.
 
-Token-routed MoE (Mixtral, Qwen2-MoE, Qwen3-MoE): an MoE block is a module with a `gate` (the
-router: a module whose weight is [experts, hidden]) and an `experts` child (in transformers 5 the
-experts are fused in memory but the router stays its own module); "routers" = every block's gate.
+Token-routed MoE (Mixtral, Qwen2-MoE, Qwen3-MoE, FlexOlmo, GraniteMoE): an MoE block is a module
+with a `gate` (GraniteMoE: `router`; a module whose weight is [experts, hidden]) and an `experts`
+child (in transformers 5 the experts are fused in memory but the router stays its own module;
+transformers 4's GraniteMoE has no `experts`, so it is not found there); "routers" = every
+block's gate.
 
 Sequence-routed kinds (moemerge's seq_routed and bridged, config model_type "moemerge"): one
 top-level `router` (weight [N, d_m], on the mean token embedding) routes whole sequences;
@@ -42,7 +44,10 @@ def router_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
         return {"router": model.router}
     if is_merged_experts(model.config):  # one per FFN
         return {f"{name}.router": b.router for name, b in moe_blocks(model, "router").items()}
-    return {f"{name}.gate": block.gate for name, block in moe_blocks(model).items()}
+    # token-routed: the router is `gate` (Mixtral, Qwen MoEs, FlexOlmo) or `router` (GraniteMoE)
+    attr = "gate" if moe_blocks(model) else "router"
+    return {f"{name}.{attr}": getattr(block, attr)
+            for name, block in moe_blocks(model, attr).items()}
 
 
 def learned_routing(model: torch.nn.Module) -> bool:

@@ -35,6 +35,7 @@ def test_qwen_specifics():
 @pytest.mark.parametrize("model_type, family, target", [
     ("llama", "llama", "mixtral"), ("mistral", "llama", "mixtral"),
     ("qwen2", "qwen2", "qwen2_moe"), ("qwen3", "qwen3", "qwen3_moe"),
+    ("olmo2", "olmo2", "flex_olmo"), ("granite", "granite", "granitemoe"),
 ])
 def test_family_and_target(model_type, family, target):
     fam = family_for_config({"model_type": model_type}, "x")
@@ -55,3 +56,21 @@ def test_classic_expert_names_on_disk():
     assert mixtral.router_name(0) == "model.layers.0.block_sparse_moe.gate.weight"
     assert qwen.expert_name(0, 3, "up") == "model.layers.0.mlp.experts.3.up_proj.weight"
     assert qwen.router_name(5) == "model.layers.5.mlp.gate.weight"
+
+
+def test_every_table_entry_points_at_what_exists():
+    """Each family's targets are layouts, its router-input norm is one of its layer tensors,
+    each fused tensor joins known projections; a shared target is used only when asked."""
+    layouts = moe_layouts()
+    for family in dense_families().values():
+        assert family.moe_target in layouts and family.target(False) == family.moe_target
+        if family.shared_target is not None:
+            assert family.target(True) == family.shared_target
+            assert layouts[family.shared_target].shared_expert is not None
+        norm = family.router_input_norm
+        assert norm is None or family.layer_tensors[norm] == "norm"
+        assert family.ffn_module == "mlp"
+    for layout in layouts.values():
+        for projs in (*layout.fused.values(), *layout.fused_shared.values()):
+            assert set(projs) <= set(layout.projections)
+    assert dense_families()["olmo2"].router_input_norm is None  # OLMo 2's FFN reads no norm

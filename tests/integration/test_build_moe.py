@@ -4,11 +4,12 @@ import json
 
 import pytest
 import torch
-from conftest import FAMILIES, perturbed_copy, write_recipe
+from conftest import TOKEN_ROUTED_FAMILIES, needs_class, perturbed_copy, write_recipe
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from moemerge.api import build
+from moemerge.architectures import moe_layouts
 from moemerge.merge.dispatch import merge
 from moemerge.merge.primitives import generator_for
 
@@ -17,6 +18,15 @@ EXPECTED = {
     "mistral": ("MixtralForCausalLM", "mixtral"),
     "qwen2": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "olmo2": ("FlexOlmoForCausalLM", "flex_olmo"),
+    "granite": ("GraniteMoeForCausalLM", "granitemoe"),
+}
+# every source family, skipped where the installed transformers lacks its MoE class
+OUTPUTS = [pytest.param(f, marks=needs_class(EXPECTED[f][0])) for f in TOKEN_ROUTED_FAMILIES]
+# the tensor that holds expert 1's gate projection of layer 1, by layout
+EXPERT_GATE = {
+    "mixtral": "model.layers.1.block_sparse_moe.experts.1.w1.weight",
+    "granitemoe": "model.layers.1.block_sparse_moe.input_linear.weight",  # [E, 2I, H] gate first
 }
 
 
@@ -38,7 +48,7 @@ PROMPTS = ["{model: %s, positive_prompts: ['def add(a, b):']}",
            "{model: %s, positive_prompts: ['Q: What is 2 + 3?'], negative_prompts: ['def']}"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", OUTPUTS)
 @pytest.mark.parametrize("init", ["random", "task_vector", "prompts", "cheap_embed"])
 def test_identical_experts_reproduce_the_dense_logits(family, init, model_factory, tmp_path):
     dense = model_factory(family)
@@ -51,7 +61,7 @@ def test_identical_experts_reproduce_the_dense_logits(family, init, model_factor
                                atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", OUTPUTS)
 def test_output_layout_config_and_side_files(family, model_factory, tmp_path):
     base = model_factory(family)
     experts = [perturbed_copy(base, tmp_path / f"e{i}", scale=0.01, seed=i) for i in range(2)]
@@ -68,10 +78,13 @@ def test_output_layout_config_and_side_files(family, model_factory, tmp_path):
     assert config["rope_theta"] == theta  # the classic key, not Mixtral's 1e6 default
     assert config["torch_dtype"] == "float32" and config["num_experts_per_tok"] == 1
     assert "rope_parameters" not in config and "dtype" not in config
-    if model_type != "mixtral":
-        assert config["norm_topk_prob"] is True and config["num_experts"] == 2
-    else:
+    if model_type in ("mixtral", "granitemoe"):
         assert config["num_local_experts"] == 2
+    else:
+        assert config["norm_topk_prob"] is True and config["num_experts"] == 2
+    for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                "logits_scaling"):  # Granite's; the MoE class's defaults are all 1.0
+        assert config.get(key) == source.get(key)
 
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -82,17 +95,60 @@ def test_output_layout_config_and_side_files(family, model_factory, tmp_path):
     assert "base_model:" in card and str(experts[0]) in card
 
     # each expert's FFN arrives untouched under the classic per-expert names
+    # (GraniteMoE's are fused: expert 1's gate rows in input_linear[1, :I])
     gate_name = "model.layers.1.mlp.gate_proj.weight"
-    expert_name = {"mixtral": "model.layers.1.block_sparse_moe.experts.1.w1.weight"}.get(
-        model_type, "model.layers.1.mlp.experts.1.gate_proj.weight")
+    expert_name = EXPERT_GATE.get(model_type, "model.layers.1.mlp.experts.1.gate_proj.weight")
     with safe_open(out / index["weight_map"][expert_name], "pt") as f:
         written = f.get_tensor(expert_name)
     with safe_open(experts[1] / "model.safetensors", "pt") as f:
-        assert torch.equal(written, f.get_tensor(gate_name))
+        gate = f.get_tensor(gate_name)
+    if written.dim() == 3:
+        written = written[1, :gate.shape[0]]
+    assert torch.equal(written, gate)
 
     model = AutoModelForCausalLM.from_pretrained(out)
     generated = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False)
     assert generated.shape == (1, 7)
+
+
+@pytest.mark.parametrize("family", OUTPUTS)
+def test_distinct_experts_match_a_plain_top_k_reference(family, model_factory, tmp_path):
+    """Experts that differ in their FFNs only: every layer's MoE block must compute
+    sum over the top 2 of 3 experts of w_e FFN_e(x), w the renormalised top-2 of softmax(R x),
+    R the written router and FFN_e expert e's own dense FFN, written out here with the dense
+    models' modules: pins each layout's expert order, router name and top-k convention, and
+    GraniteMoE's fused gate/up rows."""
+    base = model_factory(family)
+    experts = [perturbed_copy(base, tmp_path / f"e{i}", scale=0.05, seed=i, only="mlp")
+               for i in range(3)]
+    out = tmp_path / "moe"
+    build(moe_recipe(tmp_path, base, experts, experts_per_token=2,
+                     router="{init: random, std: 0.5}"), out, progress=False)
+    layout = moe_layouts()[EXPECTED[family][1]]
+    with safe_open(out / "model.safetensors", "pt") as f:
+        routers = [f.get_tensor(layout.router_name(i)) for i in range(2)]
+    ffns = [AutoModelForCausalLM.from_pretrained(e, dtype=torch.float32).model.layers
+            for e in experts]
+
+    def top2(index, router):
+        def forward(_mlp, inputs, _output):
+            x = inputs[0]  # [B, T, H]
+            weights, chosen = torch.softmax(x @ router.T, -1).topk(2, -1)  # [B, T, 2]
+            weights = weights / weights.sum(-1, keepdim=True)
+            every = torch.stack([ffns[e][index].mlp(x) for e in range(3)], -2)  # [B, T, 3, H]
+            picked = every.gather(-2, chosen[..., None].expand(*chosen.shape, x.shape[-1]))
+            return (picked * weights[..., None]).sum(-2)
+        return forward
+
+    reference = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    for index, layer in enumerate(reference.model.layers):
+        layer.mlp.register_forward_hook(top2(index, routers[index]))
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+    built = logits(out, ids)
+    torch.testing.assert_close(built, expected, atol=2e-5, rtol=1e-4)
+    assert (built - logits(base, ids)).abs().max() > 100 * 2e-5  # the experts do differ
 
 
 def test_non_ffn_tensors_are_the_experts_average(model_factory, tmp_path):

@@ -1,18 +1,20 @@
 """Every output kind from sources shaped like the checkpoints people merge: the published
 config.json keys (tied embeddings, llama3 rope scaling, Qwen sliding-window keys present but
-off, an explicit head_dim ≠ hidden / heads), bf16 weights, shrunk in size only. Identical experts
-must give the dense model's next-token distribution, loaded in float32."""
+off, an explicit head_dim ≠ hidden / heads, Granite's multipliers), bf16 weights (OLMo 2: fp32,
+as published), shrunk in size only. Identical experts must give the dense model's next-token
+distribution, loaded in float32. OLMo 2 and Granite feed token-routed builds only."""
 
 import json
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import write_recipe
+from conftest import needs_class, write_recipe
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from moemerge.api import build
+from moemerge.errors import MismatchError
 from moemerge.toy.published import published_configs, published_model
 
 SHAPES = {  # shrunk in size only; head_dim as the family has it
@@ -20,7 +22,11 @@ SHAPES = {  # shrunk in size only; head_dim as the family has it
     "qwen2.5-1.5b": {},
     "qwen3-1.7b": {"head_dim": 16},  # hidden / heads = 8: an explicit, different head_dim
     "mistral-7b-v0.3": {},
+    "olmo-2-0425-1b": {},
+    "granite-3.1-2b": {},
 }
+TOKEN_ROUTED_ONLY = {"olmo-2-0425-1b": "FlexOlmoForCausalLM",
+                     "granite-3.1-2b": "GraniteMoeForCausalLM"}
 KINDS = {
     "token_routed": "assembly: token_routed\nexperts_per_token: 2\n",
     "seq_routed_k1": "assembly: seq_routed\nexperts_per_sequence: 1\n",
@@ -29,6 +35,9 @@ KINDS = {
     "merged_experts": "assembly: merged_experts\nsegment_length: 4\n",
 }
 IDS = torch.randint(4, 300, (2, 11), generator=torch.Generator().manual_seed(0))
+CASES = [pytest.param(name, kind, marks=needs_class(TOKEN_ROUTED_ONLY.get(name, "AutoModel")))
+         for name in SHAPES for kind in KINDS
+         if name not in TOKEN_ROUTED_ONLY or kind == "token_routed"]
 
 
 @pytest.fixture(scope="module")
@@ -59,16 +68,22 @@ def test_the_sources_are_what_the_hub_has(published):
     for name in SHAPES:
         path = published(name)
         config = json.loads((path / "config.json").read_text())
-        assert config["torch_dtype"] == "bfloat16" and "rope_parameters" not in config
+        assert config == published_configs()[name] | {  # as published, but shrunk
+            k: v for k, v in config.items() if k in SHAPES[name] or k in (
+                "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "max_window_layers", "bos_token_id",
+                "eos_token_id", "pad_token_id")}
+        dtype = getattr(torch, config["torch_dtype"])
+        assert "rope_parameters" not in config
+        assert dtype == (torch.float32 if name.startswith("olmo") else torch.bfloat16)
         with safe_open(path / "model.safetensors", "pt") as f:
             names = set(f.keys())
-            assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+            assert f.get_tensor("model.embed_tokens.weight").dtype == dtype
         assert ("lm_head.weight" in names) == (not config["tie_word_embeddings"])
     assert published_configs()["llama-3.2-1b"]["rope_scaling"]["rope_type"] == "llama3"
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("name,kind", CASES)
 def test_identical_experts_give_the_dense_distribution(name, kind, published, tmp_path):
     dense = published(name)
     base = "" if kind == "bridged" else f"base_model: {dense}\n"  # bridged takes no base
@@ -82,3 +97,14 @@ def test_identical_experts_give_the_dense_distribution(name, kind, published, tm
         assert config["rope_theta"] == source["rope_theta"]
         assert config.get("rope_scaling") == source.get("rope_scaling")
         assert config["tie_word_embeddings"] == source["tie_word_embeddings"]
+
+
+@pytest.mark.parametrize("kind", ["seq_routed_k1", "merged_experts"])
+def test_token_routed_only_families_are_refused_elsewhere(kind, published, tmp_path):
+    """The shipped modeling code knows pre-norm stacks with a plain head: an OLMo 2 (post-norms)
+    or Granite (multipliers) source is an error there, not a silently different model."""
+    for name in TOKEN_ROUTED_ONLY:
+        dense = published(name)
+        recipe = f"kind: moe\nbase_model: {dense}\nexperts: [{dense}, {dense}]\n{KINDS[kind]}"
+        with pytest.raises(MismatchError, match="token_routed only"):
+            build(write_recipe(tmp_path / "r.yaml", recipe), tmp_path / "out", progress=False)

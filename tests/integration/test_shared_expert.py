@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import needs_class
 from safetensors import safe_open
 from test_build_moe import logits, moe_recipe
 from transformers import AutoModelForCausalLM
@@ -127,3 +128,36 @@ def test_shared_expert_refused_without_a_shared_expert_layout(family, model_fact
     with pytest.raises(RecipeError, match="shared_expert: 'base'"):
         build(moe_recipe(tmp_path, dense, [dense, dense], shared_expert="base"),
               tmp_path / "moe", progress=False)
+
+
+@needs_class("GraniteMoeSharedForCausalLM")
+@pytest.mark.parametrize("shared", ["none", "base", "average"])
+def test_granite_shared_mlp_is_added_ungated(shared, model_factory, tmp_path):
+    """Granite sources: `none` writes a GraniteMoE (no shared MLP, the dense logits); `base` /
+    `average` a GraniteMoeShared whose fused shared MLP holds that FFN and is added with no
+    gate, so identical experts give each layer's FFN twice: 2 FFN(x)."""
+    dense = model_factory("granite")
+    out, _ = build_qwen2(tmp_path, dense, shared)
+    config = json.loads((out / "config.json").read_text())
+    reference = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    if shared == "none":
+        assert config["model_type"] == "granitemoe" and "shared_intermediate_size" not in config
+    else:
+        assert config["model_type"] == "granitemoeshared"
+        assert config["shared_intermediate_size"] == reference.config.intermediate_size
+        for layer in reference.model.layers:
+            layer.mlp.register_forward_hook(lambda _m, _i, output: 2 * output)
+        fused = tensors(out)["model.layers.0.shared_mlp.input_linear.weight"]  # [2I, H]
+        ffn = reference.model.layers[0].mlp
+        exact = 0 if shared == "base" else 1e-7  # an average of 3 equal tensors rounds
+        torch.testing.assert_close(fused, torch.cat([ffn.gate_proj.weight, ffn.up_proj.weight]),
+                                   atol=exact, rtol=exact)
+    with torch.no_grad():
+        expected = reference(input_ids=IDS).logits
+    built = logits(out, IDS)
+    torch.testing.assert_close(built, expected, atol=2e-5, rtol=1e-4)
+    if shared != "none":
+        # the shared MLP adds (Granite's residual_multiplier keeps the toy FFN's share small:
+        # 3e-4 here, 10x what the built model is from the reference)
+        added = (built - logits(dense, IDS)).abs().max()
+        assert added > 1e-4 and added > 10 * (built - expected).abs().max()

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 import yaml
-from conftest import perturbed_copy, write_recipe
+from conftest import needs_class, perturbed_copy, write_recipe
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
@@ -14,7 +14,10 @@ from moemerge.api import build
 from moemerge.errors import RecipeError
 
 ATOL = 1e-5
-LAYOUT = {"llama": "mixtral", "qwen3": "qwen3_moe", "qwen2": "qwen2_moe"}
+LAYOUT = {"llama": "mixtral", "qwen3": "qwen3_moe", "qwen2": "qwen2_moe", "olmo2": "flex_olmo",
+          "granite": "granitemoe"}  # GraniteMoE: fused experts (plan/fused.py)
+UPCYCLED = ["llama", "qwen3", "qwen2", "granite",
+            pytest.param("olmo2", marks=needs_class("FlexOlmoForCausalLM"))]
 DOWN = {"mixtral": "model.layers.{layer}.block_sparse_moe.experts.{e}.w2.weight",
         "qwen3_moe": "model.layers.{layer}.mlp.experts.{e}.down_proj.weight"}
 GATE = {"mixtral": "model.layers.{layer}.block_sparse_moe.experts.{e}.w1.weight",
@@ -59,7 +62,7 @@ def gap(path, model) -> float:
     return (logits(path) - logits(model)).abs().max().item()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
+@pytest.mark.parametrize("family", UPCYCLED)
 @pytest.mark.parametrize("granularity", [1, 2])
 def test_the_start_reproduces_the_dense_logits(family, granularity, dense, tmp_path):
     model = dense(family)
