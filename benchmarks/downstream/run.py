@@ -155,13 +155,17 @@ def windows(cache: Path, case: Case) -> list[list[int]]:
     return [ids[i:i + CTX] for i in range(0, TOKENS, CTX)]
 
 
-def transformers_logits(model_dir: Path, wins: list[list[int]]):
+def transformers_logits(model_dir: Path, wins: list[list[int]], dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
     from moemerge.toy.train import quiet_transformers
 
+    config = json.loads((model_dir / "config.json").read_text())
+    moe = "num_local_experts" in config or "num_experts" in config
+    # transformers 5's grouped_mm experts take no float64; its per-expert loop does
+    extra = {"experts_implementation": "eager"} if moe and dtype == torch.float64 else {}
     with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **extra).eval()
     with torch.no_grad():
         for w in wins:
             yield model(input_ids=torch.tensor([w])).logits[0].double()
@@ -174,19 +178,25 @@ def nll(logits: torch.Tensor, window: list[int]) -> float:
 
 
 def compare(cache: Path, model_dir: Path, gguf: Path, wins: list[list[int]]) -> dict:
+    """llama.cpp against transformers in float32 (the reference the targets are for), and
+    transformers float32 against float64: the float32 rounding floor of this model."""
     n = sum(len(w) - 1 for w in wins)
-    max_diff, nll_t, nll_l, logit_sq = 0.0, 0.0, 0.0, 0.0
-    for w, ref, got in zip(wins, transformers_logits(model_dir, wins),
-                           llamacpp.logits(gguf, wins), strict=True):
+    max_diff, floor, nll_t, nll_l, logit_sq, logit_max = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    for w, ref, exact, got in zip(wins, transformers_logits(model_dir, wins),
+                                  transformers_logits(model_dir, wins, torch.float64),
+                                  llamacpp.logits(gguf, wins), strict=True):
         got = torch.from_numpy(got).double()
-        max_diff = max(max_diff, (got - ref).abs().max().item())  # NaN-safe below
+        max_diff = max(max_diff, (got - ref).abs().max().item())
         if not torch.isfinite(got).all():
             max_diff = math.nan
+        floor = max(floor, (ref - exact).abs().max().item())
         nll_t, nll_l = nll_t + nll(ref, w), nll_l + nll(got, w)
         logit_sq += ref.std(dim=-1).square().mean().item()
+        logit_max = max(logit_max, ref.abs().max().item())
     ppl_t, ppl_l = math.exp(nll_t / n), math.exp(nll_l / n)
     return {"max_abs_logit": max_diff, "ppl_transformers": ppl_t, "ppl_llama_cpp": ppl_l,
-            "ppl_rel": abs(ppl_l - ppl_t) / ppl_t, "logit_std": math.sqrt(logit_sq / len(wins))}
+            "ppl_rel": abs(ppl_l - ppl_t) / ppl_t, "logit_std": math.sqrt(logit_sq / len(wins)),
+            "logit_max": logit_max, "f32_vs_f64": floor}
 
 
 def run_case(cache: Path, case: Case) -> dict:
@@ -223,23 +233,30 @@ def _cell(r: dict, bf16: bool) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = [f"# llama.cpp vs transformers on moemerge outputs ({time.strftime('%Y-%m-%d')})", "",
-             "Written by `benchmarks/downstream/run.py`. Each cell: max |Δlogit| / relative "
-             "perplexity difference, llama.cpp (`llama-cpp-python` "
-             f"{llamacpp.SDIST.split('>=')[0]} sdist's llama.cpp, CPU, f32 KV cache) against "
+             "Written by `benchmarks/downstream/run.py` ([README](../downstream/README.md)). "
+             "Each GGUF cell: max |Δlogit| / relative perplexity difference, llama.cpp "
+             f"(the `{llamacpp.SDIST}` sdist's vendored llama.cpp, CPU, f32 KV cache) against "
              f"transformers (float32) on the same {TOKENS} tokens of real text (CPython "
              f"docstrings), {TOKENS // CTX} windows of {CTX}. ✗: outside the target (f32 GGUF: "
              f"max |Δlogit| ≤ {F32_LOGIT:g} and perplexity equal to {F32_PPL:g} relative; "
              f"bf16 GGUF: perplexity within {BF16_PPL:g} relative). Dense control: the MoE's "
-             "base model, converted and compared the same way.", "",
+             "base model, converted and compared the same way. f32 floor: max |Δlogit| "
+             "between transformers in float32 and in float64 on the same weights, the "
+             "rounding noise of float32 itself for this model (MoE / dense).", "",
              "| case | layout | output dtype | MoE f32 GGUF | MoE bf16 GGUF | dense f32 GGUF "
-             "| dense bf16 GGUF | perplexity (transformers) | logit std | note |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| dense bf16 GGUF | f32 floor | max \\|logit\\| / std | perplexity "
+             "(transformers) | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        moe, dense = r["moe_f32"], r["dense_f32"]
+        floor = (f"{moe['f32_vs_f64']:.1e} / {dense['f32_vs_f64']:.1e}"
+                 if "f32_vs_f64" in moe else "–")
+        scale = f"{moe.get('logit_max', math.nan):.1f} / {moe['logit_std']:.2f}"
         lines.append(
-            f"| {r['case']} | {r['arch']} | {r['dtype']} | {_cell(r['moe_f32'], False)} | "
-            f"{_cell(r['moe_bf16'], True)} | {_cell(r['dense_f32'], False)} | "
-            f"{_cell(r['dense_bf16'], True)} | {r['moe_f32']['ppl_transformers']:.1f} | "
-            f"{r['moe_f32']['logit_std']:.2f} | {r['note']} |")
+            f"| {r['case']} | {r['arch']} | {r['dtype']} | {_cell(moe, False)} | "
+            f"{_cell(r['moe_bf16'], True)} | {_cell(dense, False)} | "
+            f"{_cell(r['dense_bf16'], True)} | {floor} | {scale} | "
+            f"{moe['ppl_transformers']:.4g} | {r['note']} |")
     return "\n".join(lines) + "\n"
 
 
