@@ -84,3 +84,50 @@ def test_gguf_is_renamed_only_when_the_converter_succeeds(model_factory, tmp_pat
     out2 = tmp_path / "out2"
     assert (out2 / "config.json").is_file()  # the safetensors output stays, whole
     assert not list(out2.glob("*.gguf*"))  # and no half-written GGUF, under any name
+
+
+def _real_converter() -> bool:
+    import importlib.util
+    import os
+
+    return bool(os.environ.get("LLAMA_CPP_DIR")) and importlib.util.find_spec(
+        "sentencepiece") is not None
+
+
+@pytest.mark.skipif(not _real_converter(), reason="needs llama.cpp's converter ($LLAMA_CPP_DIR) "
+                    "and sentencepiece, which CI has not: benchmarks/downstream runs it")
+def test_real_conversion_writes_a_mixtral_gguf(tmp_path):
+    import os
+    import shutil
+    import sys
+    from pathlib import Path
+
+    import sentencepiece
+    from conftest import perturbed_copy
+
+    from moemerge.toy.corpora import domain_text
+    from moemerge.toy.experts import make_random_model
+
+    # a SentencePiece vocabulary (the converter refuses BPE pre-tokenizers it does not know)
+    (tmp_path / "text.txt").write_text(domain_text("prose", 50_000))
+    sentencepiece.SentencePieceTrainer.train(input=str(tmp_path / "text.txt"),
+                                             model_prefix=str(tmp_path / "sp"), vocab_size=256)
+    base = make_random_model("llama", tmp_path / "base", vocab=256)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (base / name).unlink(missing_ok=True)
+    shutil.copy(tmp_path / "sp.model", base / "tokenizer.model")
+    experts = [perturbed_copy(base, tmp_path / f"e{i}", scale=0.02, seed=i) for i in range(3)]
+    recipe_file = write_recipe(tmp_path / "recipe.yaml", f"kind: moe\nbase_model: {base}\n"
+                               f"experts: [{', '.join(map(str, experts))}]\n")
+    code, text = run("build", recipe_file, tmp_path / "out", "--gguf", "f32")
+    assert code == 0, text
+    root = Path(os.environ["LLAMA_CPP_DIR"])
+    gguf_py = next(p for p in (root / "gguf-py", root / "vendor" / "llama.cpp" / "gguf-py")
+                   if p.is_dir())
+    sys.path.insert(0, str(gguf_py))
+    from gguf import GGUFReader
+
+    reader = GGUFReader(tmp_path / "out" / "model-f32.gguf")
+    assert int(reader.fields["llama.expert_count"].parts[-1][0]) == 3
+    shapes = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
+    assert shapes["blk.0.ffn_gate_exps.weight"] == (32, 64, 3)  # ggml order: hidden, ffn, E
