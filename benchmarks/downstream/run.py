@@ -228,14 +228,14 @@ def _cell(r: dict, bf16: bool) -> str:
     if math.isnan(logit) or math.isnan(ppl):
         return "**NaN**"
     ok = ppl <= BF16_PPL if bf16 else (logit <= F32_LOGIT and ppl <= F32_PPL)
-    return f"{logit:.1e} / {ppl:.0e}" + ("" if ok else " ✗")
+    return f"{logit:.1e} / {ppl:.1e}" + ("" if ok else " ✗")
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], llama_cpp: str) -> str:
     lines = [f"# llama.cpp vs transformers on moemerge outputs ({time.strftime('%Y-%m-%d')})", "",
              "Written by `benchmarks/downstream/run.py` ([README](../downstream/README.md)). "
              "Each GGUF cell: max |Δlogit| / relative perplexity difference, llama.cpp "
-             f"(the `{llamacpp.SDIST}` sdist's vendored llama.cpp, CPU, f32 KV cache) against "
+             f"(vendored in the {llama_cpp} sdist, built for CPU; f32 KV cache) against "
              f"transformers (float32) on the same {TOKENS} tokens of real text (CPython "
              f"docstrings), {TOKENS // CTX} windows of {CTX}. ✗: outside the target (f32 GGUF: "
              f"max |Δlogit| ≤ {F32_LOGIT:g} and perplexity equal to {F32_PPL:g} relative; "
@@ -279,8 +279,9 @@ def main() -> None:
     rows = [json.loads((cache / "results" / f"{c.name}.json").read_text()) for c in CASES
             if (cache / "results" / f"{c.name}.json").is_file()]
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "downstream.md").write_text(table(rows))
-    print(table(rows))
+    text = table(rows, llamacpp.sdist_dir(cache).name.replace("_", "-"))
+    (RESULTS / "downstream.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """`build --gguf`: a clear error before any work when llama.cpp's converter is missing, and a
-.gguf that exists only whole. The converter itself is faked here (a script with its command
-line): a real conversion needs a llama.cpp checkout and a tokenizer it recognises, which CI has
-neither of; benchmarks/downstream/run.py converts every layout with the real one and compares
-llama.cpp's logits with transformers'."""
+.gguf that exists only whole. Most tests fake the converter (a script with its command line);
+the real one needs a llama.cpp checkout ($LLAMA_CPP_DIR) and sentencepiece, which CI has
+neither of, so the one real conversion here is skipped there (about 5 s where they are);
+benchmarks/downstream/run.py converts every layout and compares llama.cpp's logits with
+transformers'."""
 
 import pytest
 from conftest import write_recipe
