@@ -82,6 +82,17 @@ def build(
         bool, typer.Option("--allow-non-finite", help="Write output tensors holding NaN/Inf "
                            "(refused by default).")
     ] = False,
+    gguf: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option("--gguf", help="Also write OUTPUT/model-TYPE.gguf with llama.cpp's "
+                     "converter; TYPE: f32, f16, bf16 or q8_0 (needs --llama-cpp or "
+                     "$LLAMA_CPP_DIR, and the [gguf] extra).", show_default=False),
+    ] = None,
+    llama_cpp: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option("--llama-cpp", help="A llama.cpp checkout, or an unpacked llama-cpp-python "
+                     "sdist, whose convert_hf_to_gguf.py --gguf runs.", show_default=False),
+    ] = None,
 ) -> None:
     """Build a merged dense model or an MoE from RECIPE into OUTPUT."""
     from moemerge.api import build as run_build
@@ -91,6 +102,7 @@ def build(
         raise RecipeError(f"--verify: must be auto, full or structure, got {verify!r}")
     if output is None and not dry_run:
         raise RecipeError("OUTPUT: missing; give an output directory, or --dry-run")
+    converter = _gguf_converter(recipe, gguf, llama_cpp) if gguf is not None else None
     tune = None
     if tune_on is not None:
         from moemerge.tune import TuneOptions
@@ -127,6 +139,22 @@ def build(
         f"[green]built[/] {escape(str(output))} ({len(result.plan.jobs)} tensors, {size:.1f} MiB; "
         f"output check: {result.verified})"
     )
+    if converter is not None and output is not None:
+        from moemerge.assemble.gguf import write_gguf
+
+        written = write_gguf(output, gguf, converter)  # type: ignore[arg-type]
+        out.print(f"[green]wrote[/] {escape(str(written))} "
+                  f"({written.stat().st_size / 2**20:.1f} MiB)")
+
+
+def _gguf_converter(recipe: Path, outtype: str, llama_cpp: Path | None) -> list[str]:
+    """Before any work: the converter's command, or the error saying how to get it."""
+    from moemerge.assemble.gguf import check_convertible, check_outtype, find_converter
+    from moemerge.recipe.load import load_recipe
+
+    check_outtype(outtype)
+    check_convertible(load_recipe(recipe))
+    return find_converter(llama_cpp)
 
 
 def _floats(option: str, text: str) -> tuple[float, ...]:

@@ -1,0 +1,95 @@
+"""`build --gguf`: a GGUF file next to the safetensors, through llama.cpp's own converter.
+
+The converter (`convert_hf_to_gguf.py`, with the `gguf-py` package beside it) is not on PyPI by
+itself: it comes with a llama.cpp checkout, or with the `llama-cpp-python` sdist (under
+vendor/llama.cpp). moemerge runs it with its own Python (torch, numpy, transformers); the
+`[gguf]` extra adds what else it needs for SentencePiece vocabularies (`sentencepiece`).
+Measured agreement with transformers: benchmarks/results/downstream.md.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from moemerge.errors import OutputError, RecipeError
+
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+ENV = "LLAMA_CPP_DIR"
+SCRIPT = "convert_hf_to_gguf.py"
+CONSOLE_SCRIPT = "llama-convert-hf-to-gguf"  # `pip install ./llama.cpp` installs it
+HOW_TO_GET = (
+    f"give --llama-cpp DIR or set ${ENV} to a llama.cpp checkout (`git clone "
+    "https://github.com/ggml-org/llama.cpp`) or to an unpacked llama-cpp-python sdist (`pip "
+    "download --no-deps --no-binary :all: llama-cpp-python`, then untar it), and `pip install "
+    "'moemerge[gguf]'` for the converter's sentencepiece"
+)
+
+
+def check_outtype(outtype: str) -> None:
+    if outtype not in OUTTYPES:
+        raise RecipeError(f"--gguf: must be one of {', '.join(OUTTYPES)}, got {outtype!r}")
+
+
+def check_convertible(recipe) -> None:
+    """Only outputs of an architecture llama.cpp knows: the sequence-routed, bridged and
+    merged-experts kinds run moemerge's own modeling code."""
+    assembly = getattr(recipe, "assembly", "token_routed")
+    if assembly != "token_routed":
+        raise RecipeError(
+            f"--gguf: a {assembly} output runs moemerge's own modeling code, which llama.cpp does "
+            "not know; GGUF is written for dense merges, upcycles and token-routed MoEs only")
+
+
+def find_converter(llama_cpp: Path | None) -> list[str]:
+    """The command that runs llama.cpp's converter: from --llama-cpp DIR, else $LLAMA_CPP_DIR,
+    else the console script on PATH. A RecipeError (exit 2) saying how to get it otherwise."""
+    where = llama_cpp if llama_cpp is not None else (
+        Path(os.environ[ENV]) if os.environ.get(ENV) else None)
+    if where is not None:
+        origin = "--llama-cpp" if llama_cpp is not None else f"${ENV}"
+        for script in (where / SCRIPT, where / "vendor" / "llama.cpp" / SCRIPT):
+            if script.is_file():
+                return [sys.executable, str(script)]
+        raise RecipeError(f"{origin} {where}: no {SCRIPT} there (nor under vendor/llama.cpp/); "
+                          f"{HOW_TO_GET}")
+    if (console := shutil.which(CONSOLE_SCRIPT)) is not None:
+        return [console]
+    raise RecipeError(f"--gguf needs llama.cpp's {SCRIPT}, which is not on PyPI by itself: "
+                      f"{HOW_TO_GET}")
+
+
+def check_vocabulary_support(model_dir: Path) -> None:
+    if (model_dir / "tokenizer.model").is_file() and not importlib.util.find_spec(
+            "sentencepiece"):
+        raise RecipeError(f"{model_dir / 'tokenizer.model'}: a SentencePiece vocabulary, which "
+                          "llama.cpp's converter reads with `sentencepiece`: pip install "
+                          "'moemerge[gguf]' (the safetensors output is complete)")
+
+
+def gguf_path(model_dir: Path, outtype: str) -> Path:
+    return model_dir / f"model-{outtype}.gguf"
+
+
+def write_gguf(model_dir: Path, outtype: str, command: list[str]) -> Path:
+    """Convert `model_dir` to model_dir/model-OUTTYPE.gguf. The converter writes a `.partial`
+    file that is renamed only once it exits 0, so a `.gguf` that exists is a whole one."""
+    check_vocabulary_support(model_dir)
+    out = gguf_path(model_dir, outtype)
+    partial = out.with_name(out.name + ".partial")
+    try:
+        done = subprocess.run([*command, str(model_dir), "--outtype", outtype, "--outfile",
+                               str(partial)], capture_output=True, text=True)
+        if done.returncode:
+            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
+            raise OutputError(f"{out}: llama.cpp's converter ({' '.join(command)}) failed with "
+                              f"exit code {done.returncode}; the safetensors output is complete. "
+                              f"Its last lines:\n{tail}")
+        os.replace(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
+    return out

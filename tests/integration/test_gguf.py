@@ -1,0 +1,134 @@
+"""`build --gguf`: a clear error before any work when llama.cpp's converter is missing, and a
+.gguf that exists only whole. Most tests fake the converter (a script with its command line);
+the real one needs a llama.cpp checkout ($LLAMA_CPP_DIR) and sentencepiece, which CI has
+neither of, so the one real conversion here is skipped there (about 5 s where they are);
+benchmarks/downstream/run.py converts every layout and compares llama.cpp's logits with
+transformers'."""
+
+import pytest
+from conftest import write_recipe
+from typer.testing import CliRunner
+
+from moemerge.cli import app
+
+runner = CliRunner()
+
+FAKE = """import sys
+from pathlib import Path
+args = sys.argv[1:]
+out = Path(args[args.index("--outfile") + 1])
+out.write_bytes(b"GGUF" + b"\\0" * 64)  # written in part either way
+if "--outtype" in args and args[args.index("--outtype") + 1] == "q8_0":
+    print("conversion failed: unsupported tensor", file=sys.stderr)
+    sys.exit(3)
+"""
+
+
+@pytest.fixture
+def no_converter(monkeypatch, tmp_path):
+    monkeypatch.delenv("LLAMA_CPP_DIR", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-path"))
+
+
+def run(*args):
+    result = runner.invoke(app, [str(a) for a in args])
+    return result.exit_code, result.output
+
+
+def recipe(tmp_path, base, extra="") -> str:
+    return write_recipe(tmp_path / "recipe.yaml",
+                        f"kind: moe\nbase_model: {base}\nexperts: [{base}, {base}]\n{extra}")
+
+
+def test_missing_converter_exits_2_before_building(model_factory, tmp_path, no_converter):
+    code, text = run("build", recipe(tmp_path, model_factory("llama")), tmp_path / "out",
+                     "--gguf", "f32")
+    assert code == 2
+    assert "convert_hf_to_gguf.py" in text and "--llama-cpp" in text
+    assert "LLAMA_CPP_DIR" in text and "moemerge[gguf]" in text
+    assert not (tmp_path / "out").exists()
+
+
+def test_directory_without_converter_is_named(model_factory, tmp_path, no_converter):
+    (tmp_path / "llama.cpp").mkdir()
+    code, text = run("build", recipe(tmp_path, model_factory("llama")), tmp_path / "out",
+                     "--gguf", "bf16", "--llama-cpp", tmp_path / "llama.cpp")
+    assert code == 2 and "--llama-cpp" in text and str(tmp_path / "llama.cpp") in text
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("extra, args, message", [
+    ("", ["--gguf", "q4_k"], "--gguf: must be one of f32, f16, bf16, q8_0"),
+    ("assembly: seq_routed\n", ["--gguf", "f32"], "seq_routed output runs moemerge's own"),
+])
+def test_unsupported_requests_exit_2(model_factory, tmp_path, no_converter, extra, args,
+                                     message):
+    code, text = run("build", recipe(tmp_path, model_factory("llama"), extra), tmp_path / "out",
+                     *args)
+    assert code == 2 and message in " ".join(text.split())
+    assert not (tmp_path / "out").exists()
+
+
+def test_gguf_is_renamed_only_when_the_converter_succeeds(model_factory, tmp_path, monkeypatch):
+    checkout = tmp_path / "llama.cpp"
+    checkout.mkdir()
+    (checkout / "convert_hf_to_gguf.py").write_text(FAKE)
+    monkeypatch.setenv("LLAMA_CPP_DIR", str(checkout))
+    base = model_factory("llama")
+    code, text = run("build", recipe(tmp_path, base), tmp_path / "out", "--gguf", "bf16")
+    assert code == 0, text
+    assert (tmp_path / "out" / "model-bf16.gguf").read_bytes().startswith(b"GGUF")
+    assert not list((tmp_path / "out").glob("*.partial"))
+
+    code, text = run("build", recipe(tmp_path, base), tmp_path / "out2", "--gguf", "q8_0")
+    assert code == 1 and "unsupported tensor" in text and "exit code 3" in text
+    out2 = tmp_path / "out2"
+    assert (out2 / "config.json").is_file()  # the safetensors output stays, whole
+    assert not list(out2.glob("*.gguf*"))  # and no half-written GGUF, under any name
+
+
+def _real_converter() -> bool:
+    import importlib.util
+    import os
+
+    return bool(os.environ.get("LLAMA_CPP_DIR")) and importlib.util.find_spec(
+        "sentencepiece") is not None
+
+
+@pytest.mark.skipif(not _real_converter(), reason="needs llama.cpp's converter ($LLAMA_CPP_DIR) "
+                    "and sentencepiece, which CI has not: benchmarks/downstream runs it")
+def test_real_conversion_writes_a_mixtral_gguf(tmp_path):
+    import os
+    import shutil
+    import sys
+    from pathlib import Path
+
+    import sentencepiece
+    from conftest import perturbed_copy
+
+    from moemerge.toy.corpora import domain_text
+    from moemerge.toy.experts import make_random_model
+
+    # a SentencePiece vocabulary (the converter refuses BPE pre-tokenizers it does not know)
+    (tmp_path / "text.txt").write_text(domain_text("prose", 50_000))
+    sentencepiece.SentencePieceTrainer.train(input=str(tmp_path / "text.txt"),
+                                             model_prefix=str(tmp_path / "sp"), vocab_size=256)
+    base = make_random_model("llama", tmp_path / "base", vocab=256)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (base / name).unlink(missing_ok=True)
+    shutil.copy(tmp_path / "sp.model", base / "tokenizer.model")
+    experts = [perturbed_copy(base, tmp_path / f"e{i}", scale=0.02, seed=i) for i in range(3)]
+    recipe_file = write_recipe(tmp_path / "recipe.yaml", f"kind: moe\nbase_model: {base}\n"
+                               f"experts: [{', '.join(map(str, experts))}]\n")
+    code, text = run("build", recipe_file, tmp_path / "out", "--gguf", "f32")
+    assert code == 0, text
+    root = Path(os.environ["LLAMA_CPP_DIR"])
+    gguf_py = next(p for p in (root / "gguf-py", root / "vendor" / "llama.cpp" / "gguf-py")
+                   if p.is_dir())
+    sys.path.insert(0, str(gguf_py))
+    from gguf import GGUFReader
+
+    reader = GGUFReader(tmp_path / "out" / "model-f32.gguf")
+    assert int(reader.fields["llama.expert_count"].parts[-1][0]) == 3
+    shapes = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
+    assert shapes["blk.0.ffn_gate_exps.weight"] == (32, 64, 3)  # ggml order: hidden, ffn, E
