@@ -97,3 +97,27 @@ def test_a_text_that_names_no_expert_is_refused_naming_field_and_recipe(planted)
     with pytest.raises(RecipeError, match=r"token_routed\.yaml: calibration\.data: .*'poems'"):
         build(recipe, root / "refused", progress=False)
     assert not (root / "refused").exists()
+
+
+def test_one_mixed_text_with_loss_targets_on_the_tiny_experts(tmp_path):
+    """Real text, trained experts (each best on its own domain): one mixed calibration text,
+    targets from the experts' own losses. Held-out 64-token windows routed to their domain's
+    expert, measured: code 81 %, prose 85 %, math 100 % (chance 33 %; perplexity routing, which
+    runs every expert, 79 / 87 / 100 %)."""
+    from moemerge.toy import TINY, cached_toy_experts
+
+    toy = cached_toy_experts(TINY, progress=False)
+    mixed = tmp_path / "mixed.txt"
+    mixed.write_text("\n".join(p.read_text()[:20000] for p in toy.train_text.values()))
+    lines = ["kind: moe", "assembly: seq_routed", "experts:",
+             *(f"  - {{model: {p}, name: {d}}}" for d, p in toy.experts.items()),
+             "router: {kind: learned, init: calibrate}",
+             "calibration: {data: mixed.txt, max_tokens: 4096, seq_len: 64}"]
+    build(write_recipe(tmp_path / "r.yaml", "\n".join(lines) + "\n"), tmp_path / "moe",
+          progress=False)
+    model, tokenizer = load_moe(tmp_path / "moe")
+    texts = {d: p.read_text() for d, p in toy.eval_text.items()}
+    report = routing_report(model, tokenizer, texts, seq_len=64, max_tokens=3000,
+                            labels=list(toy.experts))
+    shares = {d: report.domains[d].share[0][e] for e, d in enumerate(toy.experts)}
+    assert min(shares.values()) >= 0.75, shares
