@@ -46,15 +46,18 @@ def recipe_for(planted, assembly: str, extra: str, data: str = "[letters.txt, di
     return write_recipe(root / f"{assembly}.yaml", "\n".join(lines) + "\n")
 
 
-def test_token_routed_sends_each_domains_tokens_to_its_expert(planted):
+@pytest.mark.parametrize("assembly, extra", [
+    ("token_routed", "experts_per_token: 1\nrouter: {init: calibrate}"),  # share per layer
+    ("seq_routed", "router: {kind: learned, init: calibrate}"),  # one row: windows
+])
+def test_each_domains_tokens_or_windows_go_to_its_expert(planted, assembly, extra):
     root, _, experts, held_out = planted
-    build(recipe_for(planted, "token_routed", "experts_per_token: 1\nrouter: {init: calibrate}"),
-          root / "token", progress=False, force=True)
-    model, tokenizer = load_moe(root / "token")
+    build(recipe_for(planted, assembly, extra), root / assembly, progress=False, force=True)
+    model, tokenizer = load_moe(root / assembly)
     report = routing_report(model, tokenizer, held_out, seq_len=32, max_tokens=1024,
                             labels=list(experts))
     for e, domain in enumerate(experts):
-        own = [row[e] for row in report.domains[domain].share]  # one per layer
+        own = [row[e] for row in report.domains[domain].share]
         assert min(own) >= 0.9, (domain, own)
 
 
@@ -76,17 +79,6 @@ def test_merged_experts_sends_each_domains_segments_to_its_expert(planted):
             hook.remove()
         share = float((torch.cat(chosen) == e).float().mean())
         assert share >= 0.9, (domain, share)
-
-
-def test_seq_routed_sends_each_domains_windows_to_its_expert(planted):
-    root, _, experts, held_out = planted
-    build(recipe_for(planted, "seq_routed", "router: {kind: learned, init: calibrate}"),
-          root / "seq", progress=False, force=True)
-    model, tokenizer = load_moe(root / "seq")
-    report = routing_report(model, tokenizer, held_out, seq_len=32, max_tokens=1024,
-                            labels=list(experts))
-    for e, domain in enumerate(experts):
-        assert report.domains[domain].share[0][e] >= 0.9, (domain, report.domains[domain].share)
 
 
 def test_a_text_that_names_no_expert_is_refused_naming_field_and_recipe(planted):
