@@ -63,7 +63,10 @@ def expert_models(recipe, models: list[SourceModel]) -> list[SourceModel]:
 
 def calibration_set(spec: CalibrationSpec, texts: dict[str, list[str]], tokenizer,
                     experts: list[SourceModel]) -> Calibration:
-    blocks = make_blocks(texts, tokenizer, spec.seq_len, 0.0)
+    try:
+        blocks = make_blocks(texts, tokenizer, spec.seq_len, 0.0)
+    except RecipeError as exc:  # its advice names finetune's --seq-len
+        raise RecipeError(f"calibration.data: {exc} (here: calibration.seq_len)") from None
     per_domain = max(1, spec.max_tokens // spec.seq_len)
     keep = torch.cat([_spread(torch.nonzero(blocks.domain == d).flatten(), per_domain)
                       for d in range(len(blocks.domains))])
