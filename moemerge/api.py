@@ -44,6 +44,13 @@ from moemerge.recipe.merged import MergedExpertsRecipe
 from moemerge.recipe.models import MergeRecipe, MoERecipe
 from moemerge.recipe.sequence import BridgedRecipe, SeqRoutedRecipe
 from moemerge.recipe.upcycle import UpcycleRecipe
+from moemerge.train.calibration import (
+    calibrated_routers,
+    calibrates,
+    calibration_set,
+    calibration_texts,
+    expert_models,
+)
 from moemerge.tune import (
     TUNING_FILE,
     Candidate,
@@ -180,6 +187,10 @@ def build(
             raise RecipeError("--tune-on builds the model to score it; it cannot be a dry run")
         check_options(tune)
         held_out = read_held_out(tune.text)
+    calibration = texts = None
+    if calibrates(recipe) and not dry_run and out is not None:  # its errors before any tensor
+        texts = _in_recipe(recipe_path, calibration_texts, recipe.calibration,
+                           recipe_path.parent)
     with ExitStack() as stack:
         models = open_sources(
             _labelled_refs(recipe), recipe_path.parent, allow_pickle=allow_pickle, stack=stack,
@@ -213,12 +224,16 @@ def build(
                 warn(message)
             return tensor
 
-        def write(dest: Path, recipe: AnyRecipe, plan: Plan, recipe_text: str) -> None:
+        def write(dest: Path, recipe: AnyRecipe, plan: Plan, recipe_text: str,
+                  routers: dict | None = None) -> None:
+            """`routers`: {output name: tensor} replacing what the plan makes (calibrate)."""
             planned = [(j.output, j.dtype, tuple(j.shape)) for j in plan.jobs]
             with ShardedWriter(dest, planned, max_shard_bytes=max_shard) as writer:
                 jobs = run_jobs(plan, load, make_router, recipe.seed, lookahead=lookahead,
                                 workers=workers, device=device)
                 for job, tensor in _with_progress(jobs, plan, progress):
+                    if routers and job.output in routers:
+                        tensor = routers[job.output].to(job.dtype)
                     if not allow_non_finite and (bad := count_non_finite(tensor)):
                         raise OutputError(
                             f"output check failed: tensor {job.output!r} would hold {bad} "
@@ -239,11 +254,17 @@ def build(
             tunable_jobs(plan)
             tokenizer = load_tokenizer(_tokenizer_source(recipe, models).path)
             check_length(tokenizer, held_out, tune)
+        if texts is not None:  # windows and targets (loss targets run each expert)
+            calibration = _in_recipe(
+                recipe_path, calibration_set, recipe.calibration, texts,
+                load_tokenizer(_tokenizer_source(recipe, models).path),
+                expert_models(recipe, models))
         # once per build, after every check: tuning changes merge parameters, never routers
         make_router = (None if isinstance(recipe, MergeRecipe | MergedExpertsRecipe)
                        else _router_maker(recipe, models))
         tuning = None
-        size = plan.total_bytes * (2 if tune is not None else 1)  # tuning: an untuned copy too
+        # tuning and calibrating write a draft first: an untuned / uncalibrated copy
+        size = plan.total_bytes * (2 if tune is not None or calibration is not None else 1)
         with atomic_output_dir(out, force=force, size=size) as tmp:
             if tune is not None:
                 untuned = tmp / "untuned"
@@ -258,11 +279,26 @@ def build(
                 recipe = parse_recipe(yaml.safe_load(recipe_text), str(recipe_path))
                 plan = make_plan(recipe, models)
                 (tmp / TUNING_FILE).write_text(tuning_json(tuning, tune))
-            write(tmp, recipe, plan, recipe_text)
+            routers = None
+            if calibration is not None:
+                draft = tmp / "uncalibrated"
+                draft.mkdir()
+                write(draft, recipe, plan, recipe_text)
+                routers = calibrated_routers(recipe, plan, draft, calibration)
+                shutil.rmtree(draft)
+            write(tmp, recipe, plan, recipe_text, routers)
             full = verify == "full" or (verify == "auto" and plan.total_bytes <= FULL_LOAD_LIMIT)
             if full:
                 check_loads(tmp)
         return BuildResult(plan, out, "full" if full else "structure", tuning)
+
+
+def _in_recipe(recipe_path: Path, fn, *args):
+    """fn(*args), its RecipeError prefixed with the recipe file it is about."""
+    try:
+        return fn(*args)
+    except RecipeError as exc:
+        raise RecipeError(f"{recipe_path}: {exc}") from None
 
 
 def _warn(message: str) -> None:

@@ -14,9 +14,16 @@ def _experts(paths: dict[str, Path]) -> list[str]:
     return ["experts:", *(f"  - {{model: {p}, name: {d}}}" for d, p in paths.items())]
 
 
-def recipes(ts, narrow: dict[str, Path], seed: int) -> dict[str, list[str]]:
+def calibration(ts, seq_len: int) -> str:
+    """router.init: calibrate's block: each domain's training text, named after its expert."""
+    data = ", ".join(f"{d}={p}" for d, p in ts.train_text.items())
+    return f"calibration: {{data: [{data}], max_tokens: 8192, seq_len: {seq_len}}}"
+
+
+def recipes(ts, narrow: dict[str, Path], seed: int, prompt: int = 32) -> dict[str, list[str]]:
     """{key: recipe lines} of every model built from the toy set `ts`; `narrow` is the bridged
-    experts (some of another width)."""
+    experts (some of another width). Sequence routers are calibrated on windows as long as
+    the `prompt` they route on."""
     base, moe = f"base_model: {ts.base}", ["kind: moe", f"seed: {seed}"]
     token = [*moe, base, *_experts(ts.experts), "experts_per_token: 2", "router: {init: random}"]
     seq = [*moe, "assembly: seq_routed", base, *_experts(ts.experts),
@@ -35,6 +42,14 @@ def recipes(ts, narrow: dict[str, Path], seed: int) -> dict[str, list[str]]:
         "seq_tv": [*seq, "router: {kind: task_vector}"],
         "bridged": [*moe, "assembly: bridged", *_experts(narrow),
                     "projectors: {init: lstsq}"],
+        "token_cal": [*token[:-1], "router: {init: calibrate}", calibration(ts, 128),
+                      "merge: {method: average}"],
+        "seq_cal": [*seq, "router: {kind: learned, init: calibrate}", calibration(ts, prompt)],
+        "bridged_cal": [*moe, "assembly: bridged", *_experts(narrow),
+                        "projectors: {init: lstsq}", "router: {kind: learned, init: calibrate}",
+                        calibration(ts, prompt)],
+        "merged_cal": [*merged, "curvature: {kind: none}", "router: {init: calibrate}",
+                       calibration(ts, 128)],
         "merged_none": [*merged, "curvature: {kind: none}"],
         "merged_ca": [*merged, "curvature: {kind: kronecker}"],
     }

@@ -7,7 +7,8 @@ Per-domain held-out perplexity (each window read as generation would: a prompt o
 only the tokens after the prompt scored) and the mean over domains, for: the base, each expert,
 dense TIES and DARE-TIES merges; token-routed MoEs (average / TIES / DARE-TIES non-FFN merge,
 random router), the average one after router-only training and then a short full fine-tune;
-seq_routed with perplexity and task-vector routing; bridged with a narrower expert (least-
+router set by `calibrate` (closed form, no training); seq_routed with perplexity, task-vector
+and calibrated learned routing; bridged with a narrower expert (least-
 squares projectors, then routers + projectors trained); merged_experts with routers trained, without
 and with curvature; and the base trained further on the same data as the full fine-tune (the
 compute-matched dense control). Fine-tuned rows run with --seeds seeds (build seed and data
@@ -104,7 +105,8 @@ def main() -> None:
     score = Scorer(ts, args)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        built = {k: build(v, work / f"s0-{k}") for k, v in recipes(ts, narrow, 0).items()}
+        built = {k: build(v, work / f"s0-{k}")
+                 for k, v in recipes(ts, narrow, 0, args.prompt_tokens).items()}
         stage("builds")
         score("base", ts.base)
         for d, p in ts.experts.items():
@@ -121,6 +123,7 @@ def main() -> None:
         score("token_routed, average, random router", built["token_avg"])
         score("token_routed, TIES, random router", built["token_ties"])
         score("token_routed, DARE-TIES, random router", built["token_dare"])
+        score("token_routed, average, calibrate (no training)", built["token_cal"])
         for s in range(args.seeds):
             moe = built["token_avg"] if s == 0 else build(recipes(ts, narrow, s)["token_avg"],
                                                           work / f"s{s}-token_avg")
@@ -133,14 +136,17 @@ def main() -> None:
         stage("token_routed")
         score("seq_routed, perplexity", built["seq_ppl"])
         score("seq_routed, task_vector", built["seq_tv"])
+        score("seq_routed, learned, calibrate (no training)", built["seq_cal"])
         stage("seq_routed")
         score("bridged, least-squares projectors, random router", built["bridged"])
+        score("bridged, least-squares projectors, calibrate (no training)", built["bridged_cal"])
         for s in range(args.seeds):
             tuned = finetune(ts, built["bridged"], work / f"ft{s}-bridged",
                              ["routers", "projectors"], args.steps, args.lr, s, args)
             score(f"bridged, + routers, projectors {args.steps} steps", tuned)
         stage("bridged")
         score("merged_experts, before training", built["merged_none"])
+        score("merged_experts, calibrate (no training)", built["merged_cal"])
         for key, parts, label in (("merged_none", ["routers"], "routers"),
                                   ("merged_ca", ["routers", "curvature"], "routers, curvature")):
             for s in range(args.seeds):

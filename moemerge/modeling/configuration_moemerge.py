@@ -18,6 +18,7 @@ from transformers import PretrainedConfig
 
 ASSEMBLIES = ("seq_routed", "bridged")
 ROUTERS = ("learned", "perplexity", "task_vector")
+ROUTER_INPUTS = ("mean_embedding", "rms_mean_embedding")
 MIXES = ("logits", "hidden")
 
 
@@ -39,6 +40,11 @@ class MoemergeConfig(PretrainedConfig):
             (softmax over the top-k 1/PPL of each expert on the sequence) or "task_vector"
             (cosine between the base model's descent direction on the sequence and each
             expert's task vector; needs `base`).
+        router_input: what the learned router reads: "rms_mean_embedding" (the mean token
+            embedding divided by its root mean square, so its logits do not shrink with the
+            embedding's scale; written by moemerge since the calibrate init) or
+            "mean_embedding" (unnormalised; the default, so older checkpoints, whose configs
+            lack the key, compute as before).
         num_experts_per_seq: k, the experts each sequence goes to.
         mix: "logits" mixes the experts' next-token distributions; "hidden" mixes their final
             hidden states (d_m) before the shared head.
@@ -61,6 +67,7 @@ class MoemergeConfig(PretrainedConfig):
         shared_lm_head: bool = True,
         projector_hidden_size: int = 0,
         router: str = "learned",
+        router_input: str = "mean_embedding",
         num_experts_per_seq: int = 1,
         mix: str = "logits",
         routing_temperature: float = 1.0,
@@ -78,6 +85,7 @@ class MoemergeConfig(PretrainedConfig):
         self.shared_lm_head = shared_lm_head or assembly == "bridged"
         self.projector_hidden_size = projector_hidden_size
         self.router = router
+        self.router_input = router_input
         self.num_experts_per_seq = num_experts_per_seq
         self.mix = mix
         self.routing_temperature = routing_temperature
@@ -99,6 +107,8 @@ class MoemergeConfig(PretrainedConfig):
             problems.append(f"assembly: {self.assembly!r} is not one of {ASSEMBLIES}")
         if self.router not in ROUTERS:
             problems.append(f"router: {self.router!r} is not one of {ROUTERS}")
+        if self.router_input not in ROUTER_INPUTS:
+            problems.append(f"router_input: {self.router_input!r} is not one of {ROUTER_INPUTS}")
         if self.mix not in MIXES:
             problems.append(f"mix: {self.mix!r} is not one of {MIXES}")
         if not 1 <= self.num_experts_per_seq <= self.num_experts:

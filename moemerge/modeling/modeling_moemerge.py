@@ -40,6 +40,7 @@ from .routing_moemerge import (
     TaskVectorScorer,
     mean_embedding,
     perplexity_scores,
+    rms_normalise,
     sequence_nll,
     topk_weights,
 )
@@ -142,12 +143,20 @@ class MoemergeForCausalLM(MoemergePreTrainedModel, GenerationMixin):
             return self.embed_tokens(input_ids)
         return torch.stack([e.model.embed_tokens(input_ids) for e in self.experts]).mean(0)
 
+    def router_input(self, input_ids, attention_mask=None) -> torch.Tensor:
+        """What the learned router reads: the mean token embedding [B, d_m], RMS-normalised
+        unless the config says "mean_embedding" (checkpoints written before the key)."""
+        mean = mean_embedding(self._embeds(input_ids), attention_mask)
+        if self.config.router_input == "rms_mean_embedding":
+            mean = rms_normalise(mean).to(mean.dtype)
+        return mean
+
     def route(self, input_ids, attention_mask=None, run=None):
         """-> (W [B, N], router logits [B, N] or None, {expert: (hidden, cache)} already run)."""
         config, done = self.config, {}
         k = config.num_experts_per_seq
         if config.router == "learned":
-            logits = self.router(mean_embedding(self._embeds(input_ids), attention_mask))
+            logits = self.router(self.router_input(input_ids, attention_mask))
             k = config.num_experts if self.training else k
             return topk_weights(logits, k, config.routing_temperature), logits, done
         if config.router == "perplexity":

@@ -6,7 +6,8 @@ prompt), and kept in `RoutedCache` with each chosen expert's own KV cache, so ev
 token goes through the same experts with the same weights.
 
 Scores [B, N] that become W = softmax(top-k(scores) / temperature):
-- learned:     router logits of the mean token embedding (softmax over the top k logits is the
+- learned:     router logits of the mean token embedding, RMS-normalised when the config's
+               router_input is "rms_mean_embedding" (softmax over the top k logits is the
                renormalised top k of the full softmax, as in Mixtral);
 - perplexity:  1 / PPL of each expert on the sequence;
 - task_vector: cos(−∇ base loss on the sequence, τ_e): the expert whose fine-tuning moved the
@@ -33,6 +34,14 @@ def mean_embedding(embeds: torch.Tensor, attention_mask: torch.Tensor | None) ->
         return embeds.mean(dim=1)
     mask = attention_mask[..., None].to(embeds.dtype)
     return (embeds * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
+
+
+def rms_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x [B, H] divided by its root mean square over H: [B, H] of RMS 1. A mean embedding's norm
+    is small (≈ 0.14 on the toy models) and varies by model, which made a learned router's
+    logits, and its gradients, tiny at the default learning rate."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
 
 
 def sequence_nll(logits: torch.Tensor, input_ids: torch.Tensor,

@@ -9,11 +9,13 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from moemerge.recipe.models import (
+    CalibrationSpec,
     ExpertRef,
     MergeSpec,
     ModelRef,
     Strict,
     _RecipeBase,
+    calibration_problem,
     method_problems,
 )
 
@@ -33,6 +35,9 @@ class MaskSpec(Strict):
 
 
 class MergedRouterSpec(Strict):
+    init: Literal["random", "calibrate"] = Field(
+        default="random", description="random, or calibrate: ridge regression per layer from "
+        "segment means to expert targets on `calibration` data (docs/routing.md).")
     std: float | None = Field(default=None, gt=0.0, description="Std of the random routers; "
                               "default initializer_range (near-uniform scores: W starts near "
                               "E_m + α · mean τ).")
@@ -54,6 +59,7 @@ class MergedExpertsRecipe(_RecipeBase):
     dynamic: bool = Field(default=False, description="Dynamic-Merg: E_m travels up the layers; "
                           "layers after the first store no E_m.")
     router: MergedRouterSpec = MergedRouterSpec()
+    calibration: CalibrationSpec | None = None
 
     @property
     def num_experts(self) -> int:
@@ -67,4 +73,7 @@ class MergedExpertsRecipe(_RecipeBase):
         if any(o.roles and "ffn" in o.roles for o in self.merge.overrides):
             raise ValueError("merge.overrides: role 'ffn' is merged per segment by the router "
                              "in merged_experts, not by the recipe; remove it")
+        if problem := calibration_problem(self.router.init == "calibrate", self.calibration,
+                                          self.num_experts):
+            raise ValueError(problem)
         return self

@@ -48,8 +48,45 @@ class ExpertRef(ModelRef):
     negative_prompts: list[str] = Field(default_factory=list)
 
 
+class CalibrationSpec(Strict):
+    """Calibration text for `router.init: calibrate` (docs/routing.md): routers set in closed
+    form by ridge regression from the merged model's router inputs to expert targets."""
+
+    data: list[str] = Field(min_length=1, description="Text in the forms `finetune --data` "
+                            "reads (paths relative to the recipe): one text per expert, each "
+                            "domain named after its expert (`name=path`, or a directory of "
+                            "files named after the experts), or one mixed text whose targets "
+                            "are the experts' per-token losses.")
+    max_tokens: int = Field(default=4096, gt=0, description="Tokens read per domain.")
+    seq_len: int = Field(default=128, gt=1, description="Tokens per calibration window.")
+    text_field: str = Field(default="text", min_length=1, description="Field of .jsonl "
+                            "records holding the text.")
+    targets: Literal["auto", "domain", "loss"] = Field(
+        default="auto", description="domain: one-hot of the text's expert; loss: softmax of "
+        "the negative per-token expert losses; auto: domain when every text names an expert, "
+        "loss for one text.")
+    confidence: float = Field(default=0.8, gt=0.0, lt=1.0, description="Mean top-1 routing "
+                              "probability the rows are scaled to on the calibration data.")
+
+    _one_or_many = field_validator("data", mode="before")(
+        lambda v: [v] if isinstance(v, str) else v)
+
+
+def calibration_problem(calibrates: bool, calibration: CalibrationSpec | None,
+                        num_experts: int, init_field: str = "router.init") -> str | None:
+    """The error of a calibrate init without calibration data, or of data nothing reads."""
+    if calibrates and calibration is None:
+        return f"{init_field}: 'calibrate' needs a `calibration: {{data: ...}}` block"
+    if not calibrates and calibration is not None:
+        return f"calibration: given, but {init_field} is not 'calibrate' (nothing would read it)"
+    if calibration is not None and calibration.confidence <= 1 / num_experts:
+        return (f"calibration.confidence: {calibration.confidence} is not above 1/{num_experts} "
+                "(the top-1 probability of uniform routing)")
+    return None
+
+
 class RouterSpec(Strict):
-    init: Literal["random", "prompts", "cheap_embed", "task_vector"] = "random"
+    init: Literal["random", "prompts", "cheap_embed", "task_vector", "calibrate"] = "random"
     std: float | None = Field(default=None, gt=0.0, description="Std of random init.")
     max_prompt_tokens: int = Field(default=512, gt=0)
 
@@ -133,6 +170,7 @@ class MoERecipe(_RecipeBase):
     )
     merge: MergeSpec = MergeSpec()
     router: RouterSpec = RouterSpec()
+    calibration: CalibrationSpec | None = None
 
     @property
     def num_experts(self) -> int:
@@ -160,6 +198,9 @@ class MoERecipe(_RecipeBase):
                     f"router.init: '{self.router.init}' needs positive_prompts for every expert; "
                     "missing for " + ", ".join(missing)
                 )
+        if problem := calibration_problem(self.router.init == "calibrate", self.calibration,
+                                          self.num_experts):
+            raise ValueError(problem)
         return self
 
 

@@ -11,11 +11,13 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from moemerge.recipe.models import (
+    CalibrationSpec,
     ExpertRef,
     MergeSpec,
     ModelRef,
     Strict,
     _RecipeBase,
+    calibration_problem,
     method_problems,
 )
 
@@ -28,9 +30,10 @@ class SeqRouterSpec(Strict):
     no training."""
 
     kind: Literal["learned", "perplexity", "task_vector"] = "learned"
-    init: Literal["random", "prompts"] = Field(
-        default="random", description="Init of a learned router: random, or each expert's "
-        "prompts' mean embedding (centred across experts, unit rows).")
+    init: Literal["random", "prompts", "calibrate"] = Field(
+        default="random", description="Init of a learned router: random, each expert's "
+        "prompts' mean embedding (centred across experts, unit rows), or calibrate (ridge "
+        "regression on `calibration` data, docs/routing.md).")
     std: float | None = Field(default=None, gt=0.0, description="Std of random init.")
     max_prompt_tokens: int = Field(default=512, gt=0)
     temperature: float = Field(default=1.0, gt=0.0, description="Softmax temperature over the "
@@ -62,6 +65,7 @@ class _SequenceRecipe(_RecipeBase):
     experts: list[ExpertRef] = Field(min_length=1)
     experts_per_sequence: int = Field(default=1, ge=1)
     router: SeqRouterSpec = SeqRouterSpec()
+    calibration: CalibrationSpec | None = None
 
     @property
     def num_experts(self) -> int:
@@ -76,6 +80,12 @@ class _SequenceRecipe(_RecipeBase):
             if missing:
                 raise ValueError("router.init: 'prompts' needs positive_prompts for every "
                                  "expert; missing for " + ", ".join(missing))
+        calibrates = self.router.init == "calibrate"
+        if calibrates and self.router.kind != "learned":
+            raise ValueError(f"router.init: 'calibrate' sets a learned router's weights; "
+                             f"router.kind is {self.router.kind!r}")
+        if problem := calibration_problem(calibrates, self.calibration, self.num_experts):
+            raise ValueError(problem)
 
 
 class SeqRoutedRecipe(_SequenceRecipe):

@@ -168,3 +168,35 @@ def test_upcycle_defaults():
 ])
 def test_upcycle_errors_name_the_field(fields, message):
     assert message in "\n".join(recipe_errors({**UPCYCLE, **fields}))
+
+
+MERGED = {**MOE, "assembly": "merged_experts"}
+CALIBRATION = {"data": ["alpha=a.txt", "b=b.txt"]}
+
+
+@pytest.mark.parametrize("data, message", [
+    ({**MOE, "router": {"init": "calibrate"}}, "router.init: 'calibrate' needs a `calibration"),
+    ({**MOE, "calibration": CALIBRATION}, "calibration: given, but router.init is not"),
+    ({**MOE, "router": {"init": "calibrate"}, "calibration": {**CALIBRATION, "confidence": 0.5}},
+     "calibration.confidence: 0.5 is not above 1/2"),
+    ({**MOE, "router": {"init": "calibrate"}, "calibration": {"data": []}}, "calibration.data"),
+    ({**MOE, "router": {"init": "calibrate"}, "calibration": {**CALIBRATION, "max_tokens": 0}},
+     "calibration.max_tokens"),
+    ({**SEQ, "router": {"kind": "perplexity", "init": "calibrate"}, "calibration": CALIBRATION},
+     "router.init: 'calibrate' sets a learned router's weights"),
+    ({**SEQ, "router": {"init": "calibrate"}}, "router.init: 'calibrate' needs"),
+    ({**MERGED, "router": {"init": "calibrate"}}, "router.init: 'calibrate' needs"),
+])
+def test_calibration_errors_name_their_field(data, message):
+    errors = recipe_errors(data)
+    assert any(message in e for e in errors), errors
+
+
+def test_calibration_takes_one_text_or_a_list():
+    recipe = parse_recipe({**MOE, "router": {"init": "calibrate"},
+                           "calibration": {"data": "mixed.txt"}})
+    assert recipe.calibration.data == ["mixed.txt"]
+    assert (recipe.calibration.max_tokens, recipe.calibration.targets) == (4096, "auto")
+    for data in (SEQ, MERGED):
+        assert parse_recipe({**data, "router": {"init": "calibrate"},
+                             "calibration": CALIBRATION}).router.init == "calibrate"

@@ -3,7 +3,8 @@ sequence at a time.
 
 For a sequence x of T tokens and experts e = 1..N, each expert's dense model gives logits z_e
 [T, V] and final hidden states h_e [T, d]. Scores s [N]:
-  learned      s = R · mean_t emb(x_t)
+  learned      s = R · m / rms(m), m = mean_t emb(x_t), rms(m) = sqrt(mean_i m_i² + 1e-6)
+               (s = R · m for checkpoints whose config predates `router_input`)
   perplexity   s_e = exp(−mean_t NLL_e(x_{t+1} | x_≤t))
   task_vector  s_e = cos(−∇_θ L_base(x), τ_e), τ_e = θ_e − θ_base over the selected parameters
 Weights w = softmax(top-k(s) / temperature) on the k best experts. Output: z_e when k = 1;
@@ -55,8 +56,11 @@ def mix(weights: dict, logits: dict, hidden: dict, how: str, shared_head) -> tor
                                         for e, w in weights.items()]), dim=0)
 
 
-def scores_of(router, ids, mean_embed, logits, *, router_weight=None, base=None, experts=None):
+def scores_of(router, ids, mean_embed, logits, *, router_weight=None, base=None, experts=None,
+              router_input="rms_mean_embedding"):
     if router == "learned":
+        if router_input == "rms_mean_embedding":
+            mean_embed = mean_embed / torch.sqrt((mean_embed ** 2).mean() + 1e-6)
         return router_weight @ mean_embed
     if router == "perplexity":
         return torch.stack([torch.exp(-mean_nll(z, ids)) for z in logits])
@@ -64,7 +68,8 @@ def scores_of(router, ids, mean_embed, logits, *, router_weight=None, base=None,
 
 
 def seq_routed(ids: torch.Tensor, experts: list, *, router: str, k: int, temperature: float,
-               how: str, shared: bool, router_weight=None, base=None) -> torch.Tensor:
+               how: str, shared: bool, router_weight=None, base=None,
+               router_input="rms_mean_embedding") -> torch.Tensor:
     """ids [B, T] -> logits [B, T, V]. `shared`: one embedding and head, the plain average of
     the experts' (a tied expert's head is its embedding); else each expert keeps its own."""
     embeds = [embedding(m) for m in experts]
@@ -79,7 +84,7 @@ def seq_routed(ids: torch.Tensor, experts: list, *, router: str, k: int, tempera
         mean_embed = torch.stack([E[x] for E in embeds]).mean(0).mean(0)  # over experts, tokens
         with torch.enable_grad():
             s = scores_of(router, x, mean_embed, logits, router_weight=router_weight, base=base,
-                          experts=experts)
+                          experts=experts, router_input=router_input)
         rows.append(mix(routing_weights(s, k, temperature), dict(enumerate(logits)),
                         dict(enumerate(hidden)), how, heads[0]))
     return torch.stack(rows)
@@ -98,7 +103,7 @@ def projector(x: torch.Tensor, tensors: dict, prefix: str) -> torch.Tensor:
 
 
 def bridged(ids: torch.Tensor, experts: list, tensors: dict, *, router: str, k: int,
-            temperature: float, how: str) -> torch.Tensor:
+            temperature: float, how: str, router_input="rms_mean_embedding") -> torch.Tensor:
     """ids [B, T] -> logits [B, T, V]. Shared embedding and head: the experts' zero-padded to
     the widest width d_m and averaged; expert e runs proj_out(stack_e(proj_in(embed)))."""
     width = max(embedding(m).shape[1] for m in experts)
@@ -112,7 +117,8 @@ def bridged(ids: torch.Tensor, experts: list, tensors: dict, *, router: str, k: 
             inner = final_hidden(model, projector(embeds, tensors, f"experts.{e}.proj_in"))
             hidden.append(projector(inner, tensors, f"experts.{e}.proj_out"))
         logits = [h @ shared_head.T for h in hidden]
-        s = scores_of(router, x, embeds.mean(0), logits, router_weight=tensors["router.weight"])
+        s = scores_of(router, x, embeds.mean(0), logits, router_weight=tensors["router.weight"],
+                      router_input=router_input)
         rows.append(mix(routing_weights(s, k, temperature), dict(enumerate(logits)),
                         dict(enumerate(hidden)), how, shared_head))
     return torch.stack(rows)

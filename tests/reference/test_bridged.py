@@ -30,7 +30,7 @@ def build_bridged(tmp_path, experts, router, temperature, how, init="lstsq"):
     # trained-like parts: the MLP branch of every projector and the router
     overwrite(tmp_path / "moe", lambda n: n.endswith(("proj_in.down.weight",
                                                       "proj_out.down.weight")), 0.3, seed=1)
-    overwrite(tmp_path / "moe", lambda n: n == "router.weight", 30.0, seed=2)
+    overwrite(tmp_path / "moe", lambda n: n == "router.weight", 0.3, seed=2)
     return tmp_path / "moe"
 
 

@@ -48,8 +48,8 @@ def build_case(tmp_path, base, experts, router, k, temperature, how, per_expert)
         lines.append("per_expert: [embed, lm_head]")
     build(write_recipe(tmp_path / "r.yaml", "\n".join(lines) + "\n"), tmp_path / "moe",
           progress=False)
-    if router == "learned":  # a trained-like router: sequences go different ways
-        overwrite(tmp_path / "moe", lambda n: n == "router.weight", scale=30.0, seed=1)
+    if router == "learned":  # a trained-like router (its input has RMS 1): sequences differ
+        overwrite(tmp_path / "moe", lambda n: n == "router.weight", scale=0.3, seed=1)
     return tmp_path / "moe"
 
 
@@ -92,3 +92,31 @@ def test_the_comparison_can_fail(case, sources, tmp_path, record):
         theirs = reference_logits(out, base, dirs, ids, *wrong)
         what = "vs top-1" if wrong[1] != k else "vs temperature x1.5"
         assert record((ours - theirs).abs().max(), what) > 100 * TOLERANCE, wrong
+
+
+def test_a_config_without_router_input_computes_as_before(sources, tmp_path, record):
+    """A checkpoint written before `router_input` existed (its config lacks the key) keeps the
+    unnormalised mean embedding; one written now normalises it. Each equals its reference and
+    not the other's: the router input reaches the logits."""
+    import json
+
+    base, dirs, ids = sources["tiny"]
+    case = CASES[1]
+    out = build_case(tmp_path, base, dirs, *case)
+    assert json.loads((out / "config.json").read_text())["router_input"] == "rms_mean_embedding"
+    new = shipped_logits(out, ids)
+    config = json.loads((out / "config.json").read_text())
+    del config["router_input"]
+    (out / "config.json").write_text(json.dumps(config))
+    old = shipped_logits(out, ids)
+
+    def reference(router_input):
+        with torch.no_grad():
+            return seq_routed(ids, [dense(e) for e in dirs], router="learned", k=case[1],
+                              temperature=case[2], how=case[3], shared=not case[4],
+                              router_weight=output_tensors(out)["router.weight"],
+                              router_input=router_input)
+
+    assert record((old - reference("mean_embedding")).abs().max(), "old config") <= TOLERANCE
+    assert record((new - reference("rms_mean_embedding")).abs().max()) <= TOLERANCE
+    assert record((old - new).abs().max(), "old vs new") > 100 * TOLERANCE

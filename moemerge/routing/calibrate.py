@@ -1,0 +1,147 @@
+"""`router.init: calibrate`: set a built MoE's routers from calibration windows (docs/routing.md).
+
+The model is the merged MoE itself (loaded in fp32 from a draft build whose routers are
+placeholders), so each router is fitted on the inputs it will see. Token and merged-experts
+routers are fitted layer by layer: layer l's inputs are captured with the routers of layers
+< l already set (their choices change what reaches layer l), the forward stops at layer l,
+and only one layer's inputs [rows, H] are held at a time. Sequence routers read the
+(RMS-normalised) mean embedding: one pass, no decoder layer runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moemerge.routing.ridge import decisive_scale, fit_router, held_out_windows
+
+BATCH = 8  # windows per forward
+
+
+@dataclass
+class Calibration:
+    ids: torch.Tensor  # [W, S + 1] token windows: inputs ids[:, :-1], next tokens ids[:, 1:]
+    targets: torch.Tensor  # [W, S, E] expert targets per input position (each sums to 1)
+    confidence: float  # mean top-1 routing probability the rows are scaled to
+
+
+def domain_targets(domain: torch.Tensor, expert_of: list[int], num_experts: int,
+                   seq_len: int) -> torch.Tensor:
+    """domain [W] index of each window's domain, expert_of[d] its expert -> one-hot [W, S, E]."""
+    experts = torch.tensor(expert_of)[domain]  # [W]
+    return F.one_hot(experts, num_experts).float()[:, None].expand(-1, seq_len, -1).contiguous()
+
+
+def loss_targets(nll: torch.Tensor) -> torch.Tensor:
+    """nll [E, W, S] each expert's next-token loss -> softmax over experts of −nll [W, S, E]."""
+    return torch.softmax(-nll.double(), dim=0).permute(1, 2, 0).float()
+
+
+@torch.no_grad()
+def token_nll(model, ids: torch.Tensor) -> torch.Tensor:
+    """Next-token NLL of a dense causal LM at every input position: ids [W, S+1] -> [W, S]."""
+    rows = []
+    for start in range(0, ids.shape[0], BATCH):
+        batch = ids[start:start + BATCH]
+        logits = model(input_ids=batch[:, :-1]).logits.float()  # [B, S, V]
+        rows.append(F.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none"))
+    return torch.cat(rows)
+
+
+class _Stop(Exception):
+    """Raised by a hook once the layer being calibrated has seen its inputs."""
+
+
+@torch.no_grad()
+def _capture(model, ids: torch.Tensor, module, stop) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every input row `module` sees on the windows ids [W, S+1], each forward cut short after
+    `stop` ran: (rows [R, H] fp32, window index of each row [R]). A call's input [B, ..., H]
+    (or its batch-major flattening [B·m, H]) holds m rows per window."""
+    rows, windows, current = [], [], [0, 0]  # current: the batch's first window and size
+
+    def record(_module, args):
+        x = args[0].detach().float()
+        x = x.reshape(current[1], -1, x.shape[-1])  # [B, m, H]
+        rows.append(x.reshape(-1, x.shape[-1]))
+        windows.append(torch.arange(current[0], current[0] + current[1])
+                       .repeat_interleave(x.shape[1]))
+
+    def halt(*_):
+        raise _Stop
+
+    handles = [module.register_forward_pre_hook(record), stop.register_forward_hook(halt)]
+    try:
+        for start in range(0, ids.shape[0], BATCH):
+            batch = ids[start:start + BATCH, :-1]
+            current[:] = [start, batch.shape[0]]
+            try:
+                model(input_ids=batch)
+            except _Stop:
+                pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.cat(rows), torch.cat(windows)
+
+
+def _solve(x: torch.Tensor, y: torch.Tensor, window: torch.Tensor, confidence: float,
+           temperature: float = 1.0) -> torch.Tensor:
+    """Ridge router [E, H] fp32 from rows x [R, H] and targets y [R, E], scaled so that
+    softmax(x Wᵀ / temperature) has mean top-1 probability `confidence`."""
+    w, _ = fit_router(x, y, held_out_windows(window))
+    return (w * decisive_scale(x.double() @ w.T, confidence) * temperature).float()
+
+
+def token_gates(model, num_experts: int) -> list[torch.nn.Module]:
+    """Each decoder layer's router module (weight [E, H], named `gate`), in layer order."""
+    gates = []
+    for index, layer in enumerate(model.model.layers):
+        found = [m for n, m in layer.named_modules() if n.rsplit(".", 1)[-1] == "gate"
+                 and getattr(m, "weight", None) is not None and m.weight.shape[0] == num_experts]
+        if len(found) != 1:
+            raise ValueError(f"layer {index}: expected one router named 'gate' with "
+                             f"{num_experts} rows, found {len(found)}")
+        gates.append(found[0])
+    return gates
+
+
+def calibrate_token_routers(model, cal: Calibration) -> dict[int, torch.Tensor]:
+    """{layer: router [E, H]} of a token-routed MoE; each is written into the model before the
+    next layer's inputs are captured."""
+    num_experts = cal.targets.shape[-1]
+    routers = {}
+    for layer, gate in enumerate(token_gates(model, num_experts)):
+        x, window = _capture(model, cal.ids, gate, gate)
+        if x.shape[0] != cal.targets.shape[0] * cal.targets.shape[1]:
+            raise ValueError(f"layer {layer}: the router saw {x.shape[0]} rows, expected one "
+                             "per calibration token")
+        routers[layer] = _solve(x, cal.targets.reshape(-1, num_experts), window, cal.confidence)
+        gate.weight.data.copy_(routers[layer])
+    return routers
+
+
+def calibrate_merged_routers(model, cal: Calibration) -> dict[int, torch.Tensor]:
+    """{layer: router [E, H]} of a merged-experts MoE, fitted on the segment means each layer's
+    router reads (the running means of segment 0 included), each row's target the mean target
+    of its window."""
+    per_window = cal.targets.mean(dim=1)  # [W, E]
+    routers = {}
+    for layer, mlp in enumerate(model.mlps()):
+        x, window = _capture(model, cal.ids, mlp.router, mlp)
+        routers[layer] = _solve(x, per_window[window], window, cal.confidence)
+        mlp.router.weight.data.copy_(routers[layer])
+    return routers
+
+
+@torch.no_grad()
+def calibrate_sequence_router(model, cal: Calibration) -> torch.Tensor:
+    """The learned router [N, d_m] of a seq_routed / bridged MoE, on its router input (the
+    mean embedding of each window), each window's target its mean target; scaled for the
+    model's routing temperature."""
+    x = torch.cat([model.router_input(cal.ids[s:s + BATCH, :-1]).float()
+                   for s in range(0, cal.ids.shape[0], BATCH)])  # [W, d_m]
+    window = torch.arange(x.shape[0])
+    return _solve(x, cal.targets.mean(dim=1), window, cal.confidence,
+                  model.config.routing_temperature)

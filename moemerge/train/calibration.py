@@ -1,0 +1,116 @@
+"""The `calibration` block of a recipe -> routers set in closed form (`router.init: calibrate`).
+
+The text is read by the finetune data reader (train/data.py: the same forms as `finetune
+--data`) and cut into windows of `seq_len` + 1 tokens, at most `max_tokens` tokens per domain
+(windows evenly spread over the domain's text).
+Targets: a one-hot of each window's expert when every domain is named after an expert, or,
+for one mixed text, the softmax over experts of each expert's negative next-token loss (each
+dense expert is run once). The routers themselves are fitted by routing/calibrate.py on a
+draft of the built model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from moemerge.errors import RecipeError
+from moemerge.loading import load_pretrained
+from moemerge.plan.jobs import Plan
+from moemerge.plan.sources import SourceModel
+from moemerge.recipe.models import CalibrationSpec
+from moemerge.routing.calibrate import (
+    Calibration,
+    calibrate_merged_routers,
+    calibrate_sequence_router,
+    calibrate_token_routers,
+    domain_targets,
+    loss_targets,
+    token_nll,
+)
+from moemerge.train.data import collect_texts, make_blocks
+
+
+def calibrates(recipe) -> bool:
+    return getattr(getattr(recipe, "router", None), "init", None) == "calibrate"
+
+
+def _resolve(spec: str, recipe_dir: Path) -> str:
+    """A data entry with its path made relative to the recipe's directory (if it exists
+    there; hub ids and absolute paths are left alone)."""
+    name, sep, where = spec.partition("=")
+    named = bool(sep and name)
+    path = Path(where if named else spec)
+    if path.is_absolute() or not (recipe_dir / path).exists():
+        return spec
+    return f"{name}={recipe_dir / path}" if named else str(recipe_dir / path)
+
+
+def calibration_texts(spec: CalibrationSpec, recipe_dir: Path) -> dict[str, list[str]]:
+    """{domain: documents}; RecipeError naming `calibration.data` when a source is unusable."""
+    try:
+        return collect_texts([_resolve(s, recipe_dir) for s in spec.data], spec.text_field)
+    except RecipeError as exc:
+        raise RecipeError(f"calibration.data: {exc}") from None
+
+
+def expert_models(recipe, models: list[SourceModel]) -> list[SourceModel]:
+    """The routed experts in router-row order (the base last with include_base_expert)."""
+    experts = models[len(models) - len(recipe.experts):]
+    return experts + [models[0]] if getattr(recipe, "include_base_expert", False) else experts
+
+
+def calibration_set(spec: CalibrationSpec, texts: dict[str, list[str]], tokenizer,
+                    experts: list[SourceModel]) -> Calibration:
+    try:
+        blocks = make_blocks(texts, tokenizer, spec.seq_len, 0.0)
+    except RecipeError as exc:  # its advice names finetune's --seq-len
+        raise RecipeError(f"calibration.data: {exc} (here: calibration.seq_len)") from None
+    per_domain = max(1, spec.max_tokens // spec.seq_len)
+    keep = torch.cat([_spread(torch.nonzero(blocks.domain == d).flatten(), per_domain)
+                      for d in range(len(blocks.domains))])
+    ids, domain = blocks.tokens[keep], blocks.domain[keep]
+    labels = [m.label for m in experts]
+    unknown = [d for d in blocks.domains if d not in labels]
+    targets = spec.targets
+    if targets == "auto":
+        targets = "loss" if unknown and len(blocks.domains) == 1 else "domain"
+    if targets == "domain":
+        if unknown:
+            raise RecipeError(
+                f"calibration.data: domain(s) {', '.join(map(repr, unknown))} name no expert "
+                f"(experts: {', '.join(labels)}); name each text after its expert (name=path), "
+                "or give one mixed text (targets: loss)")
+        return Calibration(ids, domain_targets(domain, [labels.index(d) for d in blocks.domains],
+                                               len(labels), spec.seq_len), spec.confidence)
+    nll = torch.stack([token_nll(_dense(m.path), ids) for m in experts])  # [E, W, S]
+    return Calibration(ids, loss_targets(nll), spec.confidence)
+
+
+def _spread(index: torch.Tensor, count: int) -> torch.Tensor:
+    """At most `count` entries of index [n], evenly spread over it (a long text's windows
+    from all of it, not only its beginning: one mixed text is often domains one after another)."""
+    if len(index) <= count:
+        return index
+    return index[torch.linspace(0, len(index) - 1, count).round().long()]
+
+
+def _dense(path: Path):
+    return load_pretrained("AutoModelForCausalLM", path, dtype=torch.float32).eval()
+
+
+def calibrated_routers(recipe, plan: Plan, draft: Path, cal: Calibration
+                       ) -> dict[str, torch.Tensor]:
+    """{output tensor name: router} fitted on the draft build at `draft` (its routers are
+    placeholders)."""
+    model = load_pretrained("AutoModelForCausalLM", draft, dtype=torch.float32).eval()
+    assembly = getattr(recipe, "assembly", "token_routed")
+    if assembly in ("seq_routed", "bridged"):
+        by_layer = {None: calibrate_sequence_router(model, cal)}
+    elif assembly == "merged_experts":
+        by_layer = calibrate_merged_routers(model, cal)
+    else:
+        by_layer = calibrate_token_routers(model, cal)
+    return {job.output: by_layer[job.layer] for job in plan.jobs
+            if job.role == "router" and job.layer in by_layer}

@@ -1,0 +1,115 @@
+"""router.init: calibrate on planted data: two synthetic domains written in disjoint alphabets
+(every token says which domain it is in), one expert per domain. A router set from
+calibration text of each domain must send >= 90 % of held-out tokens (token_routed, every
+layer), segments (merged_experts) and windows (seq_routed) to that domain's expert."""
+
+import random
+
+import pytest
+import torch
+from conftest import perturbed_copy, write_recipe
+
+from moemerge.analysis.routing import load_moe, routing_report
+from moemerge.api import build
+from moemerge.errors import RecipeError
+from moemerge.loading import load_pretrained
+
+ALPHABETS = {"letters": "abcdefghijklm", "digits": "0123456789+-*"}
+
+
+def planted_text(alphabet: str, seed: int, words: int = 1500) -> str:
+    rng = random.Random(seed)
+    return " ".join("".join(rng.choice(alphabet) for _ in range(rng.randint(2, 6)))
+                    for _ in range(words))
+
+
+@pytest.fixture(scope="module")
+def planted(model_factory, tmp_path_factory):
+    """(root, base, {domain: expert dir}, {domain: held-out text}); calibration text files
+    letters.txt / digits.txt in root, named after the experts."""
+    root = tmp_path_factory.mktemp("planted")
+    base = model_factory("llama")
+    experts = {d: perturbed_copy(base, root / d, scale=0.05, seed=i)
+               for i, d in enumerate(ALPHABETS)}
+    for i, (d, alphabet) in enumerate(ALPHABETS.items()):
+        (root / f"{d}.txt").write_text(planted_text(alphabet, seed=i))
+    held_out = {d: planted_text(a, seed=100 + i) for i, (d, a) in enumerate(ALPHABETS.items())}
+    return root, base, experts, held_out
+
+
+def recipe_for(planted, assembly: str, extra: str, data: str = "[letters.txt, digits.txt]"):
+    """`name=path` is implied by the file stems, which are the experts' names."""
+    root, base, experts, _ = planted
+    lines = ["kind: moe", f"assembly: {assembly}", f"base_model: {base}", "experts:",
+             *(f"  - {{model: {path}, name: {d}}}" for d, path in experts.items()), extra,
+             f"calibration: {{data: {data}, max_tokens: 2048, seq_len: 32}}"]
+    return write_recipe(root / f"{assembly}.yaml", "\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("assembly, extra", [
+    ("token_routed", "experts_per_token: 1\nrouter: {init: calibrate}"),  # share per layer
+    ("seq_routed", "router: {kind: learned, init: calibrate}"),  # one row: windows
+])
+def test_each_domains_tokens_or_windows_go_to_its_expert(planted, assembly, extra):
+    root, _, experts, held_out = planted
+    build(recipe_for(planted, assembly, extra), root / assembly, progress=False, force=True)
+    model, tokenizer = load_moe(root / assembly)
+    report = routing_report(model, tokenizer, held_out, seq_len=32, max_tokens=1024,
+                            labels=list(experts))
+    for e, domain in enumerate(experts):
+        own = [row[e] for row in report.domains[domain].share]
+        assert min(own) >= 0.9, (domain, own)
+
+
+def test_merged_experts_sends_each_domains_segments_to_its_expert(planted):
+    root, _, experts, held_out = planted
+    build(recipe_for(planted, "merged_experts", "segment_length: 8\nrouter: {init: calibrate}"),
+          root / "merged", progress=False, force=True)
+    model = load_pretrained("AutoModelForCausalLM", root / "merged", dtype=torch.float32).eval()
+    tokenizer = load_pretrained("AutoTokenizer", root / "merged")
+    for e, domain in enumerate(experts):
+        ids = torch.tensor(tokenizer(held_out[domain])["input_ids"][:512]).view(16, 32)
+        chosen = []  # each router row's top expert: segment means (and segment 0's running mean)
+        hooks = [mlp.router.register_forward_hook(
+            lambda _m, _a, out, into=chosen: into.append(out.argmax(-1).flatten()))
+            for mlp in model.mlps()]
+        with torch.no_grad():
+            model(input_ids=ids)
+        for hook in hooks:
+            hook.remove()
+        share = float((torch.cat(chosen) == e).float().mean())
+        assert share >= 0.9, (domain, share)
+
+
+def test_a_text_that_names_no_expert_is_refused_naming_field_and_recipe(planted):
+    root = planted[0]
+    (root / "poems.txt").write_text(planted_text("xyz", seed=5))
+    recipe = recipe_for(planted, "token_routed", "router: {init: calibrate}",
+                        data="[letters.txt, poems.txt]")
+    with pytest.raises(RecipeError, match=r"token_routed\.yaml: calibration\.data: .*'poems'"):
+        build(recipe, root / "refused", progress=False)
+    assert not (root / "refused").exists()
+
+
+def test_one_mixed_text_with_loss_targets_on_the_tiny_experts(tmp_path):
+    """Real text, trained experts (each best on its own domain): one mixed calibration text,
+    targets from the experts' own losses. Held-out 64-token windows routed to their domain's
+    expert, measured: code 81 %, prose 85 %, math 100 % (chance 33 %; perplexity routing, which
+    runs every expert, 79 / 87 / 100 %)."""
+    from moemerge.toy import TINY, cached_toy_experts
+
+    toy = cached_toy_experts(TINY, progress=False)
+    mixed = tmp_path / "mixed.txt"
+    mixed.write_text("\n".join(p.read_text()[:20000] for p in toy.train_text.values()))
+    lines = ["kind: moe", "assembly: seq_routed", "experts:",
+             *(f"  - {{model: {p}, name: {d}}}" for d, p in toy.experts.items()),
+             "router: {kind: learned, init: calibrate}",
+             "calibration: {data: mixed.txt, max_tokens: 4096, seq_len: 64}"]
+    build(write_recipe(tmp_path / "r.yaml", "\n".join(lines) + "\n"), tmp_path / "moe",
+          progress=False)
+    model, tokenizer = load_moe(tmp_path / "moe")
+    texts = {d: p.read_text() for d, p in toy.eval_text.items()}
+    report = routing_report(model, tokenizer, texts, seq_len=64, max_tokens=3000,
+                            labels=list(toy.experts))
+    shares = {d: report.domains[d].share[0][e] for e, d in enumerate(toy.experts)}
+    assert min(shares.values()) >= 0.75, shares
