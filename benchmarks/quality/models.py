@@ -92,15 +92,16 @@ def train_dense(ts, model: Path, steps: int, lr: float, seed: int, args):
     Returns (model, tokenizer) in memory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from moemerge.data import read_domains
     from moemerge.loading import quiet_transformers
     from moemerge.train import distributed, loop
-    from moemerge.train.data import collect_texts, make_blocks
+    from moemerge.train.data import make_blocks
 
     cfg = _config(ts, model, model.parent / "unused", ["all"], steps, lr, seed, args)
     with quiet_transformers():
         tokenizer = AutoTokenizer.from_pretrained(model)
         net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    blocks = make_blocks(collect_texts(cfg.data, cfg.text_field), tokenizer, cfg.seq_len,
+    blocks = make_blocks(read_domains(cfg.data, text_field=cfg.text_field), tokenizer, cfg.seq_len,
                          cfg.eval_fraction)
     ctx = distributed.setup("cpu")
     trainable = [p for p in net.parameters() if p.requires_grad]

@@ -1,8 +1,8 @@
 """The `calibration` block of a recipe -> routers set in closed form (`router.init: calibrate`).
 
-The text is read by the finetune data reader (train/data.py: the same forms as `finetune
---data`) and cut into windows of `seq_len` + 1 tokens, at most `max_tokens` tokens per domain
-(windows evenly spread over the domain's text).
+The text is read by moemerge.data (the same forms as `finetune --data`, docs/data.md) and cut
+into windows of `seq_len` + 1 tokens, at most `max_tokens` tokens per domain (windows evenly
+spread over the domain's text).
 Targets: a one-hot of each window's expert when every domain is named after an expert, or,
 for one mixed text, the softmax over experts of each expert's negative next-token loss (each
 dense expert is run once). The routers themselves are fitted by routing/calibrate.py on a
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from moemerge.data import read_domains
 from moemerge.errors import RecipeError
 from moemerge.loading import load_pretrained
 from moemerge.plan.jobs import Plan
@@ -29,7 +30,7 @@ from moemerge.routing.calibrate import (
     loss_targets,
     token_nll,
 )
-from moemerge.train.data import collect_texts, make_blocks
+from moemerge.train.data import make_blocks
 
 
 def calibrates(recipe) -> bool:
@@ -48,11 +49,10 @@ def _resolve(spec: str, recipe_dir: Path) -> str:
 
 
 def calibration_texts(spec: CalibrationSpec, recipe_dir: Path) -> dict[str, list[str]]:
-    """{domain: documents}; RecipeError naming `calibration.data` when a source is unusable."""
-    try:
-        return collect_texts([_resolve(s, recipe_dir) for s in spec.data], spec.text_field)
-    except RecipeError as exc:
-        raise RecipeError(f"calibration.data: {exc}") from None
+    """{domain: documents}; errors name `calibration.data` (moemerge.data's messages)."""
+    domains = read_domains([_resolve(s, recipe_dir) for s in spec.data],
+                           text_field=spec.text_field, what="calibration.data")
+    return {name: domain.documents for name, domain in domains.items()}
 
 
 def expert_models(recipe, models: list[SourceModel]) -> list[SourceModel]:

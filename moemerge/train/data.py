@@ -16,7 +16,7 @@ from functools import lru_cache
 
 import torch
 
-from moemerge.data import Domain, read_domains
+from moemerge.data import Domain
 from moemerge.errors import RecipeError
 
 
@@ -29,12 +29,6 @@ class Blocks:
     domains: list[str]
     train_ids: torch.Tensor  # [N_train] block indices
     eval_ids: torch.Tensor  # [N_eval]
-
-
-def collect_texts(sources: list[str], text_field: str) -> dict[str, list[str]]:
-    """{domain: documents to train on} from `data` entries (moemerge.data's rules; held-out
-    parts left out). Kept for callers of the name from before moemerge.data."""
-    return {name: d.documents for name, d in read_domains(sources, text_field=text_field).items()}
 
 
 def _blocks(docs: list[str], tokenizer, seq_len: int) -> torch.Tensor:

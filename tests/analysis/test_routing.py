@@ -12,10 +12,10 @@ import yaml
 from conftest import TEXT, write_recipe
 from typer.testing import CliRunner
 
-from moemerge.analysis.data import load_domain_texts
 from moemerge.analysis.routing import load_moe, routing_report, routing_report_from_dir
 from moemerge.api import build
 from moemerge.cli import app
+from moemerge.data import domain_texts
 from moemerge.errors import RecipeError
 
 torch.set_num_threads(1)
@@ -127,8 +127,8 @@ def test_data_specs(tmp_path):
             {"domain": "math", "text": "2 + 2"}]
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     (tmp_path / "x.txt").write_text("x")
-    texts = load_domain_texts([str(tmp_path / "dir"), str(tmp_path / "d.jsonl"),
-                               f"extra={tmp_path / 'x.txt'}"])
+    texts = domain_texts([str(tmp_path / "dir"), str(tmp_path / "d.jsonl"),
+                          f"extra={tmp_path / 'x.txt'}"])
     assert texts == {"code": TEXT, "notes": "markdown too", "math": "1 + 1\n\n2 + 2",
                      "prose": "Hello.", "extra": "x"}
 
@@ -138,9 +138,9 @@ def test_data_specs(tmp_path):
         ([f"a={tmp_path / 'empty.txt'}"], "empty.txt: empty file"),
     ]:
         with pytest.raises(RecipeError, match=message):
-            load_domain_texts(specs)
+            domain_texts(specs)
     # records without the label field: the file is one domain named by its stem
-    assert list(load_domain_texts([str(tmp_path / "d.jsonl")], label_field="topic")) == ["d"]
+    assert list(domain_texts([str(tmp_path / "d.jsonl")], label_field="topic")) == ["d"]
 
 
 def test_cli(moe, model_factory, tmp_path):

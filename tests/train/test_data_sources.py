@@ -3,10 +3,14 @@
 
 import pytest
 
+from moemerge.data import read_domains
 from moemerge.errors import RecipeError
-from moemerge.train.data import collect_texts
 
 datasets = pytest.importorskip("datasets")
+
+
+def collect_texts(specs: list[str], text_field: str) -> dict[str, list[str]]:
+    return {n: d.documents for n, d in read_domains(specs, text_field=text_field).items()}
 
 
 def test_saved_datasets_are_read_with_their_domain_labels(tmp_path):
