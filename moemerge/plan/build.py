@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moemerge.architectures import TensorRole, moe_layouts
+from moemerge.architectures import TensorRole
 from moemerge.architectures.config import dense_config, moe_config
 from moemerge.errors import MismatchError
 from moemerge.merge.registry import get
@@ -95,7 +95,7 @@ def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:
     )
 
     base = models[0]
-    layout = moe_layouts()[base.family.moe_target]
+    layout = base.family.moe_layout(base.where())
     dtype = output_dtype(recipe.output.dtype, base)
     experts = list(range(1, len(models)))
     ffn_owners = experts + ([0] if recipe.include_base_expert else [])

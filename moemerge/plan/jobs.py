@@ -14,10 +14,12 @@ JobKind = Literal["copy", "merge", "router", "zeros", "identity", "random", "lst
 
 @dataclass(frozen=True)
 class Source:
-    """Tensor `tensor` of input model number `model` (an index into Plan.models)."""
+    """Tensor `tensor` of input model number `model` (an index into Plan.models); with `rows`
+    (first, end), only those rows (a part of a fused tensor, plan/fused.py)."""
 
     model: int
     tensor: str
+    rows: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

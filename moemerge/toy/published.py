@@ -2,7 +2,9 @@
 
 The configs (published_configs.json) carry the keys that trip merge tools: tied embeddings (no
 `lm_head.weight` on disk), llama3 rope scaling, Qwen's sliding-window keys present but off, an
-explicit `head_dim` that is not hidden / heads (Qwen3), bf16. `published_model` writes random
+explicit `head_dim` that is not hidden / heads (Qwen3), bf16; Gemma 2 / 3 (softcapping,
+query_pre_attn_scalar, sliding-window layers, Gemma 3's local rope base) and Phi-3 (fused
+qkv_proj and gate_up_proj). `published_model` writes random
 weights in that dtype and the config.json in the publisher's classic keys, as the hub has them
 (not re-serialised by the installed transformers).
 """
@@ -19,7 +21,10 @@ from moemerge.toy.train import init_model, quiet_transformers
 
 CONFIGS_FILE = Path(__file__).with_name("published_configs.json")
 SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "vocab_size")
+              "num_key_value_heads", "head_dim", "vocab_size",
+              # windows shorter than a test's sequences, and a local/global layer pattern that
+              # fits in few layers (Gemma 3: every n-th layer global)
+              "sliding_window", "sliding_window_pattern")
 
 
 @cache
@@ -39,9 +44,9 @@ def shrunk_config(name: str, **shape) -> dict:
     if "max_window_layers" in config:
         config["max_window_layers"] = config["num_hidden_layers"]
     vocab = config["vocab_size"]
-    for key in ("bos_token_id", "eos_token_id"):
+    for key, small in (("bos_token_id", 1), ("eos_token_id", 2), ("pad_token_id", 0)):
         if isinstance(config.get(key), int) and config[key] >= vocab:
-            config[key] = {"bos_token_id": 1, "eos_token_id": 2}[key]
+            config[key] = small
     return config
 
 
