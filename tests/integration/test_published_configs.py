@@ -22,11 +22,13 @@ SHAPES = {  # shrunk in size only; head_dim as the family has it
     "qwen3-1.7b": {"head_dim": 16},  # hidden / heads = 8: an explicit, different head_dim
     "mistral-7b-v0.3": {},
     # sliding windows shorter than IDS, so local layers differ from global ones
+    "gemma-2b": {"head_dim": 16},
     "gemma-2-2b-it": {"head_dim": 16, "sliding_window": 4},
     "gemma-3-1b-pt": {"head_dim": 16, "sliding_window": 4, "sliding_window_pattern": 2},
     "phi-3-mini-4k-instruct": {"sliding_window": 4},
 }
-NO_MOE_CLASS = {"gemma-2-2b-it", "gemma-3-1b-pt", "phi-3-mini-4k-instruct"}  # moe_target null
+# moe_target null: no transformers MoE class computes these families
+NO_MOE_CLASS = {"gemma-2b", "gemma-2-2b-it", "gemma-3-1b-pt", "phi-3-mini-4k-instruct"}
 KINDS = {
     "token_routed": "assembly: token_routed\nexperts_per_token: 2\n",
     "seq_routed_k1": "assembly: seq_routed\nexperts_per_sequence: 1\n",
