@@ -57,6 +57,8 @@ def compute(job: Job, load: Load, make_router: MakeRouter | None, seed: int,
     elif job.kind == "router":
         assert make_router is not None, "router job without a router factory"
         out = make_router(job, load)
+    elif job.kind == "concat":  # each part with its own generator (seeded by its name)
+        out = torch.cat([compute(p, load, make_router, seed, device) for p in job.parts])
     else:
         params = job.merge
         assert params is not None

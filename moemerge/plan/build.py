@@ -8,6 +8,7 @@ from moemerge.architectures import TensorRole
 from moemerge.architectures.config import dense_config, moe_config
 from moemerge.errors import MismatchError
 from moemerge.merge.registry import get
+from moemerge.plan.fused import split_fused
 from moemerge.plan.jobs import Job, Plan, Source
 from moemerge.plan.params import resolve_merge
 from moemerge.plan.sources import SourceModel
@@ -75,9 +76,10 @@ def plan_merge(recipe: MergeRecipe, models: list[SourceModel]) -> Plan:
     dtype = output_dtype(recipe.output.dtype, ref)
     weights = [m.weight for m in recipe.models]
     jobs = [
-        merge_job(name, ref.roles[name].role, ref.roles[name].layer, ref.reader.meta(name).shape,
-                  dtype, recipe.merge, merged, weights, base,
-                  num_layers=ref.config.get("num_hidden_layers"))
+        split_fused(merge_job(name, ref.roles[name].role, ref.roles[name].layer,
+                              ref.reader.meta(name).shape, dtype, recipe.merge, merged, weights,
+                              base, num_layers=ref.config.get("num_hidden_layers")),
+                    ref.roles[name], ref.config)  # Phi-3: q, k, v (gate, up) merged apart
         for name in write_order(ref.roles)
     ]
     return Plan([m.label for m in models], jobs, dense_config(ref.config, dtype))

@@ -9,7 +9,7 @@ import torch
 
 from moemerge.plan.params import ResolvedMerge
 
-JobKind = Literal["copy", "merge", "router", "zeros", "identity", "random", "lstsq"]
+JobKind = Literal["copy", "merge", "router", "zeros", "identity", "random", "lstsq", "concat"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ class Job:
     random:   N(0, std²), seeded from (recipe seed, output name).
     lstsq:    a bridged projector fitted by least squares: the padded average of `sources`
               (weights) against `base`, the expert's own embedding or head.
+    concat:   `parts` (jobs of their own) stacked by rows: a fused tensor (Phi-3's qkv_proj)
+              merged part by part, as the unfused family's q, k, v would be.
     """
 
     output: str
@@ -51,11 +53,13 @@ class Job:
     merge: ResolvedMerge | None = None
     router_init: str | None = None
     std: float | None = None  # kind random
+    parts: tuple[Job, ...] = ()  # kind concat
 
     @property
     def inputs(self) -> list[Source]:
-        """Every tensor the job reads: its sources, then its base."""
-        return [*self.sources, *([self.base] if self.base is not None else [])]
+        """Every tensor the job reads: its sources, then its base (a concat: its parts')."""
+        return [*self.sources, *([self.base] if self.base is not None else []),
+                *(s for part in self.parts for s in part.inputs)]
 
     @property
     def nbytes(self) -> int:
@@ -90,6 +94,9 @@ class Plan:
             how = f"router init={job.router_init}"
         elif job.kind == "random":
             how = f"random std={job.std:g}"
+        elif job.kind == "concat":
+            how = "; ".join(f"{p.output.rsplit(':', 1)[-1]}: {self.describe_job(p)}"
+                            for p in job.parts)
         else:
             how = job.kind
         return how

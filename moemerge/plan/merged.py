@@ -10,7 +10,7 @@ from moemerge.architectures.config import merged_config
 from moemerge.errors import MismatchError
 from moemerge.modeling.curvature_moemerge import split_dim
 from moemerge.plan.build import merge_job, output_dtype, write_order
-from moemerge.plan.fused import fused_parts
+from moemerge.plan.fused import fused_parts, split_fused
 from moemerge.plan.jobs import Job, Plan, Source
 from moemerge.plan.sources import SourceModel
 from moemerge.recipe.merged import MergedExpertsRecipe
@@ -32,9 +32,10 @@ def plan_merged_experts(recipe: MergedExpertsRecipe, models: list[SourceModel]) 
         role = base.roles[name]
         shape = base.reader.meta(name).shape
         if role.role != "ffn":
-            jobs.append(merge_job(name, role.role, role.layer, shape, dtype, recipe.merge,
-                                  experts, weights, 0,
-                                  num_layers=base.config.get("num_hidden_layers")))
+            jobs.append(split_fused(merge_job(name, role.role, role.layer, shape, dtype,
+                                              recipe.merge, experts, weights, 0,
+                                              num_layers=base.config.get("num_hidden_layers")),
+                                    role, base.config))
             continue
         if name.endswith(".bias"):
             raise MismatchError(f"{base.where()} has FFN bias {name!r}; merged_experts merges "
