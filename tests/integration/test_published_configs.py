@@ -13,7 +13,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from moemerge.api import build
-from moemerge.errors import MismatchError
+from moemerge.errors import MismatchError, OutputError
 from moemerge.toy.published import published_configs, published_model
 
 SHAPES = {  # shrunk in size only; head_dim as the family has it
@@ -109,3 +109,16 @@ def test_no_moe_class_is_refused(published, tmp_path):
     recipe = f"kind: moe\nbase_model: {dense}\nexperts: [{dense}, {dense}]\n{KINDS['token_routed']}"
     with pytest.raises(MismatchError, match="seq_routed, bridged or merged_experts"):
         build(write_recipe(tmp_path / "r.yaml", recipe), tmp_path / "out", progress=False)
+
+
+def test_bridged_gemma2_beside_llama(published, model_factory, tmp_path):
+    """Experts of two families: mixing logits works (each expert softcaps its own); one head on
+    mixed hidden states cannot softcap for both, and the build says so."""
+    gemma, llama = published("gemma-2-2b-it"), model_factory("llama")
+    experts = f"experts: [{gemma}, {llama}]\nexperts_per_sequence: 2\n"
+    recipe = f"kind: moe\nassembly: bridged\n{experts}mix: logits\n"
+    build(write_recipe(tmp_path / "r.yaml", recipe), tmp_path / "out", progress=False)
+    assert torch.isfinite(log_probs(tmp_path / "out")).all()
+    recipe = f"kind: moe\nassembly: bridged\n{experts}mix: hidden\n"
+    with pytest.raises(OutputError, match="softcap their logits differently"):
+        build(write_recipe(tmp_path / "h.yaml", recipe), tmp_path / "out2", progress=False)
