@@ -122,3 +122,21 @@ def test_bridged_gemma2_beside_llama(published, model_factory, tmp_path):
     recipe = f"kind: moe\nassembly: bridged\n{experts}mix: hidden\n"
     with pytest.raises(OutputError, match="softcap their logits differently"):
         build(write_recipe(tmp_path / "h.yaml", recipe), tmp_path / "out2", progress=False)
+
+
+@pytest.mark.parametrize("name", ["gemma-3-1b-pt", "phi-3-mini-4k-instruct"])
+def test_a_source_saved_by_the_installed_transformers(name, published, tmp_path):
+    """transformers 5 writes Gemma 3's rope as one set per layer type (global 1e6, local 1e4)
+    and Phi-3's partial_rotary_factor inside rope_parameters too: the output's classic keys keep
+    them (the local base alone would move every global layer's rope: max |Δ| 0.024)."""
+    import shutil
+
+    dense = shutil.copytree(published(name), tmp_path / "dense")
+    if name.startswith("phi"):  # a Phi-4-mini-like partial rope
+        values = dict(json.loads((dense / "config.json").read_text()), partial_rotary_factor=0.5)
+        (dense / "config.json").write_text(json.dumps(values))
+    AutoConfig.from_pretrained(dense).save_pretrained(dense)
+    recipe = (f"kind: moe\nbase_model: {dense}\nexperts: [{dense}, {dense}]\n"
+              f"{KINDS['seq_routed_k2']}")
+    build(write_recipe(tmp_path / "r.yaml", recipe), tmp_path / "out", progress=False)
+    assert (log_probs(tmp_path / "out") - log_probs(dense)).abs().max() < 2e-5
