@@ -215,6 +215,8 @@ def build(
 
         def load(source: Source):
             tensor = models[source.model].reader.read(source.tensor)
+            if source.rows is not None:
+                tensor = tensor[slice(*source.rows)]
             if source not in seen_non_finite and (bad := count_non_finite(tensor)):
                 seen_non_finite.add(source)
                 message = (f"tensor {source.tensor!r} of {models[source.model].where()} holds "

@@ -25,8 +25,17 @@ COPIED = (
 def rope_keys(source: dict) -> dict:
     """rope_theta / rope_scaling from either a transformers-4 or a transformers-5 config."""
     params = source.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        # transformers 5, one set per layer type (Gemma 3): classic rope_theta is the global
+        # layers', rope_local_base_freq the sliding ones'
+        keys = rope_keys({"rope_parameters": params["full_attention"]})
+        if isinstance(params.get("sliding_attention"), dict):
+            keys["rope_local_base_freq"] = params["sliding_attention"]["rope_theta"]
+        return keys
     if isinstance(params, dict) and "rope_theta" in params:  # transformers 5
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        # (it also writes Phi-3's partial_rotary_factor at the top level, which is kept)
+        scaling = {k: v for k, v in params.items()
+                   if k not in ("rope_theta", "partial_rotary_factor")}
         if scaling.get("rope_type", "default") == "default":
             scaling = None
         return {"rope_theta": params["rope_theta"], "rope_scaling": scaling}

@@ -21,14 +21,14 @@ class TensorRole:
     name: str
     role: Role
     layer: int | None = None
-    proj: str | None = None  # "gate" | "up" | "down" for role "ffn"
+    proj: str | None = None  # "gate" | "up" | "down" for role "ffn"; fused: "gate_up", "qkv"
 
 
 @dataclass(frozen=True)
 class DenseFamily:
     name: str
     model_types: tuple[str, ...]
-    moe_target: str
+    moe_target: str | None  # None: no transformers MoE class computes this family
     tensors: dict[str, str]
     layer_tensors: dict[str, str]
     optional: frozenset[str] = field(default_factory=frozenset)
@@ -66,6 +66,17 @@ class DenseFamily:
                 if rest not in self.optional and not _is_bias(rest)
             ]
         return names
+
+    def moe_layout(self, where: str, shared_expert: bool = False) -> MoELayout:
+        """The token-routed MoE layout of this family (with or without a shared expert), or an
+        error naming the kinds it can be."""
+        if self.moe_target is None:
+            raise MismatchError(
+                f"{where}: no transformers MoE class computes a {self.name} model (its "
+                "activation, norms or logit transforms), so it cannot become a token_routed or "
+                "upcycled MoE; use assembly seq_routed, bridged or merged_experts, which run "
+                f"{self.name}'s own transformers code")
+        return moe_layouts()[self.target(shared_expert)]
 
 
 @dataclass(frozen=True)

@@ -28,13 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModel, GenerationMixin, PreTrainedModel
-from transformers.activations import ACT2FN
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_moemerge import MoemergeMergedConfig
 from .curvature_moemerge import KroneckerCurvature, dare_expert_mask, ties_mask
-from .pretrained_moemerge import MoemergeModel, dense_config
+from .pretrained_moemerge import MoemergeModel, dense_config, ffn_activation, softcap_logits
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -104,7 +103,7 @@ class Step:
 
 
 class MergedExpertsMLP(nn.Module):
-    def __init__(self, config: MoemergeMergedConfig, dense, layer: int, step: Step):
+    def __init__(self, config: MoemergeMergedConfig, dense, layer: int, step: Step, act):
         super().__init__()
         hidden, inter, n = dense.hidden_size, dense.intermediate_size, config.num_experts
         self.layer, self.step, self.config = layer, step, config
@@ -117,7 +116,7 @@ class MergedExpertsMLP(nn.Module):
                       "down_proj": (hidden, inter)}
             self.curvature = nn.ModuleDict({p: KroneckerCurvature(n, o, i, config.curvature_rank)
                                             for p, (o, i) in shapes.items()})
-        self.act = ACT2FN[dense.hidden_act]
+        self.act = act  # the dense family's own activation module
 
     def deltas(self, reference: dict) -> tuple[dict, dict]:
         """({p: M_i τ_i [N, O, I]}, {p: Δ_i = mask ⊙ M_i τ_i}) for this layer."""
@@ -213,7 +212,8 @@ class MoemergeMergedForCausalLM(MoemergeModel, PreTrainedModel, GenerationMixin)
         self.model = AutoModel.from_config(self.dense_config)
         self.step = Step()
         for index, layer in enumerate(self.model.layers):
-            layer.mlp = MergedExpertsMLP(config, self.dense_config, index, self.step)
+            layer.mlp = MergedExpertsMLP(config, self.dense_config, index, self.step,
+                                         ffn_activation(layer.mlp))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._no_split_modules = [type(self.model.layers[0]).__name__]  # device_map="auto"
         self._frozen: tuple | None = None  # (weight versions, merged weights) without grad
@@ -268,7 +268,7 @@ class MoemergeMergedForCausalLM(MoemergeModel, PreTrainedModel, GenerationMixin)
             step.cache = None
         hidden = out.last_hidden_state
         keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
-        logits = self.lm_head(hidden[:, keep])
+        logits = softcap_logits(self.lm_head(hidden[:, keep]), self.dense_config)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(),

@@ -34,7 +34,13 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_moemerge import MoemergeConfig
-from .pretrained_moemerge import MoemergeModel, dense_config
+from .pretrained_moemerge import (
+    MoemergeModel,
+    dense_config,
+    embedding_scale,
+    scale_embeddings,
+    softcap_logits,
+)
 from .routing_moemerge import (
     RoutedCache,
     TaskVectorScorer,
@@ -84,7 +90,9 @@ class ExpertStack(nn.Module):
         super().__init__()
         dense = dense_config(config.experts[index], getattr(config, "_attn_implementation", None))
         self.model = AutoModel.from_config(dense)
+        self.embed_scale = None  # what the expert's own embedding multiplied rows by
         if config.shared_embeddings:
+            self.embed_scale = embedding_scale(self.model.embed_tokens)
             self.model.embed_tokens = None
         width, bridged = dense.hidden_size, config.assembly == "bridged"
         hidden = config.projector_hidden_size
@@ -97,6 +105,8 @@ class ExpertStack(nn.Module):
         """-> (final hidden states [B, T, d_m or d_e], the expert's KV cache)."""
         if embeds is not None and self.proj_in is not None:
             embeds = self.proj_in(embeds)
+        if embeds is not None:  # the projector maps to the expert's unscaled embedding space
+            embeds = scale_embeddings(embeds, self.embed_scale)
         out = self.model(input_ids=None if embeds is not None else input_ids,
                          inputs_embeds=embeds, attention_mask=attention_mask,
                          position_ids=position_ids, past_key_values=cache,
@@ -120,6 +130,10 @@ class MoemergeForCausalLM(MoemergePreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(d_m, vocab, bias=False) if config.shared_lm_head else None
         self.router = nn.Linear(d_m, config.num_experts, bias=False)
         self.experts = nn.ModuleList(ExpertStack(config, i) for i in range(config.num_experts))
+        caps = {getattr(e.model.config, "final_logit_softcapping", None) for e in self.experts}
+        if config.mix == "hidden" and len(caps) > 1:
+            raise ValueError(f"mix: 'hidden' puts one head on the mixed states, but the experts "
+                             f"softcap their logits differently ({sorted(caps, key=str)})")
         self.base = None
         if config.base is not None:
             attn = getattr(config, "_attn_implementation", None)
@@ -178,7 +192,7 @@ class MoemergeForCausalLM(MoemergePreTrainedModel, GenerationMixin):
 
     def _head(self, e: int, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head if self.lm_head is not None else self.experts[e].lm_head
-        return head(hidden)
+        return softcap_logits(head(hidden), self.experts[e].model.config)
 
     def _mix(self, weights: torch.Tensor, hidden: dict, keep: slice) -> torch.Tensor:
         """Mixed logits [B, T', V] of the experts in `hidden` ({e: [B, T, d]}), weights [B, N]."""
@@ -186,7 +200,7 @@ class MoemergeForCausalLM(MoemergePreTrainedModel, GenerationMixin):
         if self.config.mix == "hidden":
             mixed = sum(weights[:, e, None, None].to(hidden[e].dtype) * hidden[e][:, keep]
                         for e in active)
-            return self.lm_head(mixed)
+            return softcap_logits(self.lm_head(mixed), self.experts[0].model.config)
         logits = {e: self._head(e, hidden[e][:, keep]) for e in active}
         if (weights > 0).sum(-1).max() == 1:  # k = 1: each row's own expert, unchanged
             out = torch.zeros_like(logits[active[0]])

@@ -19,9 +19,48 @@ def dense_config(values: dict, attn_implementation: str | None):
               if k not in ("architectures", "auto_map", "torch_dtype", "dtype")}
     config = AutoConfig.for_model(**values)
     config.tie_word_embeddings = False  # heads are separate tensors here
-    if attn_implementation:
+    if attn_implementation and _can_run(config, attn_implementation):
         config._attn_implementation = attn_implementation
-    return config
+    return config  # else the family's class picks, as it does loaded on its own
+
+
+def _can_run(config, attn_implementation: str) -> bool:
+    """False where the dense family's class refuses the outer model's attention backend
+    (Gemma 2 on transformers 5 has no sdpa: it would drop the attention softcapping)."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    return attn_implementation != "sdpa" or getattr(MODEL_MAPPING[type(config)],
+                                                    "_supports_sdpa", False)
+
+
+def embedding_scale(embedding: nn.Module | None) -> float | None:
+    """The factor a family's own embedding module multiplies token rows by (Gemma 3; Gemma and
+    Gemma 2 on transformers 5: √hidden), or None. Where a family scales inside its model's
+    forward instead (Gemma / Gemma 2 on transformers 4) it scales `inputs_embeds` too."""
+    scale = getattr(embedding, "scalar_embed_scale", None)
+    if scale is None and isinstance(getattr(embedding, "embed_scale", None), torch.Tensor):
+        scale = float(embedding.embed_scale)
+    return scale
+
+
+def scale_embeddings(embeds: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """embeds [B, T, d] times `scale` cast to their dtype, as the family's embedding does."""
+    return embeds if scale is None else embeds * torch.tensor(scale).to(embeds.dtype)
+
+
+def softcap_logits(logits: torch.Tensor, dense) -> torch.Tensor:
+    """cap · tanh(logits / cap) for a dense config with final_logit_softcapping (Gemma 2), in
+    the order its ForCausalLM computes it; other logits unchanged."""
+    cap = getattr(dense, "final_logit_softcapping", None)
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
+def ffn_activation(mlp: nn.Module):
+    """The activation a dense family's own MLP module applies to its gate projection (act_fn;
+    Phi-3: activation_fn), so a replaced MLP computes the family's FFN (GeLU-tanh in Gemma)."""
+    return mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn
 
 
 def _describe_key(key) -> str:

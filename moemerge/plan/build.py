@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from moemerge.architectures import MoELayout, moe_layouts
+from moemerge.architectures import MoELayout
 from moemerge.architectures.config import dense_config, moe_config
 from moemerge.errors import MismatchError
 from moemerge.plan.common import merge_job, output_dtype, write_order
-from moemerge.plan.fused import fuse_jobs
+from moemerge.plan.fused import fuse_jobs, split_fused
 from moemerge.plan.jobs import Job, Plan, Source
 from moemerge.plan.sources import SourceModel
 from moemerge.recipe.models import MergeRecipe, MoERecipe
@@ -25,9 +25,10 @@ def plan_merge(recipe: MergeRecipe, models: list[SourceModel]) -> Plan:
     dtype = output_dtype(recipe.output.dtype, ref)
     weights = [m.weight for m in recipe.models]
     jobs = [
-        merge_job(name, ref.roles[name].role, ref.roles[name].layer, ref.reader.meta(name).shape,
-                  dtype, recipe.merge, merged, weights, base,
-                  num_layers=ref.config.get("num_hidden_layers"))
+        split_fused(merge_job(name, ref.roles[name].role, ref.roles[name].layer,
+                              ref.reader.meta(name).shape, dtype, recipe.merge, merged, weights,
+                              base, num_layers=ref.config.get("num_hidden_layers")),
+                    ref.roles[name], ref.config)  # Phi-3: q, k, v (gate, up) merged apart
         for name in write_order(ref.roles)
     ]
     return Plan([m.label for m in models], jobs, dense_config(ref.config, dtype))
@@ -45,7 +46,7 @@ def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:
     )
 
     base = models[0]
-    layout = moe_layouts()[base.family.target(recipe.shared_expert != "none")]
+    layout = base.family.moe_layout(base.where(), recipe.shared_expert != "none")
     dtype = output_dtype(recipe.output.dtype, base)
     experts = list(range(1, len(models)))
     ffn_owners = experts + ([0] if recipe.include_base_expert else [])

@@ -1,19 +1,27 @@
-"""On-disk tensors that hold several planned ones, for layouts whose experts are fused
-(GraniteMoE: input_linear [E, 2I, H], each expert's gate rows then its up rows; output_linear
-[E, H, I]; its shared MLP the same without the expert axis).
+"""Tensors that hold several planned ones: fused on disk.
 
-The plans make every layout's experts as per-expert, per-projection jobs named by the layout's
-`expert` / `shared_expert` patterns; `fuse_jobs` then replaces each group of them by one `fuse`
-job, at the position of the group's first member, as moe.yaml's `fused` / `fused_shared` say.
+- Output layouts whose experts are fused (GraniteMoE: input_linear [E, 2I, H], each expert's
+  gate rows then its up rows; output_linear [E, H, I]; its shared MLP the same without the
+  expert axis). The plans make every layout's experts as per-expert, per-projection jobs named
+  by the layout's `expert` / `shared_expert` patterns; `fuse_jobs` then replaces each group of
+  them by one `fuse` job, at the position of the group's first member, as moe.yaml's `fused` /
+  `fused_shared` say.
+- Source families with fused projections (Phi-3): qkv_proj stacks q, k, v and gate_up_proj
+  stacks gate, up, by rows. A plan that needs a part reads only its rows (Source.rows); a merge
+  of a fused tensor is made part by part and stacked again (`split_fused`: a `fuse` job of one
+  group).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import count
 
+from moemerge.architectures import TensorRole
 from moemerge.architectures.tables import MoELayout
 from moemerge.errors import MismatchError
 from moemerge.plan.jobs import Job
+from moemerge.plan.shapes import projection_rows
 
 
 def fuse_jobs(layout: MoELayout, jobs: list[Job]) -> list[Job]:
@@ -52,3 +60,34 @@ def fuse_jobs(layout: MoELayout, jobs: list[Job]) -> list[Job]:
                     stacked=False)
     return [fused.get(job.output, job) for job in jobs
             if job.output in fused or job.output not in members]
+
+
+def fused_parts(role: TensorRole, config: dict) -> dict[str, tuple[int, int]]:
+    """{part: (first row, end row)} of a fused tensor ("ffn.gate_up", "attn.qkv" in dense.yaml);
+    {} for a tensor that is not fused."""
+    rows = projection_rows(config)
+    if role.proj == "gate_up":
+        inter = config["intermediate_size"]
+        return {"gate": (0, inter), "up": (inter, 2 * inter)}
+    if role.proj == "qkv":
+        q, kv = rows["q"], rows["kv"]
+        return {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
+    return {}
+
+
+def split_fused(job: Job, role: TensorRole, config: dict) -> Job:
+    """A merge of a whole fused tensor as the rows of the same merge on each part's rows (so
+    TIES trims, DARE draws and SLERP angles are per part, as for an unfused family's q, k, v);
+    any other job unchanged."""
+    parts = fused_parts(role, config)
+    if job.kind != "merge" or not parts:
+        return job
+
+    def part(name: str, rows: tuple[int, int]) -> Job:
+        return replace(job, output=f"{job.output}:{name}",
+                       shape=(rows[1] - rows[0], *job.shape[1:]),
+                       sources=tuple(replace(s, rows=rows) for s in job.sources),
+                       base=replace(job.base, rows=rows) if job.base is not None else None)
+
+    return Job(job.output, job.shape, job.dtype, "fuse", job.role, job.layer,
+               parts=(tuple(part(name, rows) for name, rows in parts.items()),))

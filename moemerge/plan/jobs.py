@@ -14,10 +14,12 @@ JobKind = Literal["copy", "merge", "router", "zeros", "identity", "random", "lst
 
 @dataclass(frozen=True)
 class Source:
-    """Tensor `tensor` of input model number `model` (an index into Plan.models)."""
+    """Tensor `tensor` of input model number `model` (an index into Plan.models); with `rows`
+    (first, end), only those rows (a part of a fused tensor, plan/fused.py)."""
 
     model: int
     tensor: str
+    rows: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,8 @@ class Job:
               (weights) against `base`, the expert's own embedding or head.
     fuse:     `parts` groups of jobs: each group's outputs concatenated by rows, the groups
               stacked ([groups, rows, cols]; [rows, cols] when the shape has two axes):
-              the fused experts of GraniteMoE (plan/fused.py).
+              the fused experts of GraniteMoE, or one group: a fused tensor (Phi-3's
+              qkv_proj) merged part by part as an unfused family's q, k, v (plan/fused.py).
     """
 
     output: str
@@ -93,6 +96,9 @@ class Plan:
             how = f"router init={job.router_init}"
         elif job.kind == "random":
             how = f"random std={job.std:g}"
+        elif job.kind == "fuse" and len(job.parts) == 1:  # a fused tensor's parts
+            how = "; ".join(f"{p.output.rsplit(':', 1)[-1]}: {self.describe_job(p)}"
+                            for p in job.parts[0])
         elif job.kind == "fuse":
             how = (f"fuse {len(job.parts)} × [" + "; ".join(self.describe_job(p) for p in
                                                           job.parts[0]) + ", …]")

@@ -10,6 +10,7 @@ from moemerge.architectures.config import merged_config
 from moemerge.errors import MismatchError
 from moemerge.modeling.curvature_moemerge import split_dim
 from moemerge.plan.common import merge_job, output_dtype, write_order
+from moemerge.plan.fused import fused_parts, split_fused
 from moemerge.plan.jobs import Job, Plan, Source
 from moemerge.plan.sources import SourceModel
 from moemerge.recipe.merged import MergedExpertsRecipe
@@ -31,26 +32,17 @@ def plan_merged_experts(recipe: MergedExpertsRecipe, models: list[SourceModel]) 
         role = base.roles[name]
         shape = base.reader.meta(name).shape
         if role.role != "ffn":
-            jobs.append(merge_job(name, role.role, role.layer, shape, dtype, recipe.merge,
-                                  experts, weights, 0,
-                                  num_layers=base.config.get("num_hidden_layers")))
+            jobs.append(split_fused(merge_job(name, role.role, role.layer, shape, dtype,
+                                              recipe.merge, experts, weights, 0,
+                                              num_layers=base.config.get("num_hidden_layers")),
+                                    role, base.config))
             continue
         if name.endswith(".bias"):
             raise MismatchError(f"{base.where()} has FFN bias {name!r}; merged_experts merges "
                                 "FFN weight matrices only")
-        layer, proj = role.layer, PROJ_NAMES[role.proj]
-        mlp = f"model.layers.{layer}.mlp"
-        if not recipe.dynamic or layer == 0:
-            jobs.append(Job(f"{mlp}.reference.{proj}.weight", shape, dtype, "copy", "ffn", layer,
-                            (Source(reference, name),)))
-        jobs += [Job(f"{mlp}.experts.{i}.{proj}.weight", shape, dtype, "copy", "ffn", layer,
-                     (Source(m, name),)) for i, m in enumerate(experts)]
-        if role.proj == "gate":  # once per layer
-            jobs.append(Job(f"{mlp}.router.weight", (len(experts), hidden), dtype, "random",
-                            "router", layer, std=std))
-        if recipe.curvature.kind == "kronecker":
-            jobs += _curvature_jobs(f"{mlp}.curvature.{proj}", shape, len(experts),
-                                    recipe.curvature.rank, layer)
+        for part, rows in (fused_parts(role, base.config) or {role.proj: None}).items():
+            jobs += _ffn_jobs(recipe, name, part, rows, shape, dtype, reference, experts, hidden,
+                              std, role.layer)
     if not any(r.role == "lm_head" for r in base.roles.values()):
         # a tied source stores no head; this model's head is its own tensor (untied)
         embed = next(n for n, r in base.roles.items() if r.role == "embed")
@@ -62,6 +54,28 @@ def plan_merged_experts(recipe: MergedExpertsRecipe, models: list[SourceModel]) 
         curvature=recipe.curvature.kind, curvature_rank=recipe.curvature.rank,
         mask=recipe.mask.kind, dare_p=recipe.mask.p, dynamic=recipe.dynamic)
     return Plan([m.label for m in models], jobs, config)
+
+
+def _ffn_jobs(recipe: MergedExpertsRecipe, name: str, part: str, rows: tuple[int, int] | None,
+              shape, dtype, reference: int, experts: list[int], hidden: int, std: float,
+              layer: int) -> list[Job]:
+    """One projection `part` (gate / up / down) of one layer: E_m, the experts' copies, the
+    router (with the gate) and the curvature. `rows`: the part's rows of a fused tensor."""
+    proj, mlp = PROJ_NAMES[part], f"model.layers.{layer}.mlp"
+    shape = (rows[1] - rows[0], *shape[1:]) if rows is not None else shape
+    jobs = []
+    if not recipe.dynamic or layer == 0:
+        jobs.append(Job(f"{mlp}.reference.{proj}.weight", shape, dtype, "copy", "ffn", layer,
+                        (Source(reference, name, rows),)))
+    jobs += [Job(f"{mlp}.experts.{i}.{proj}.weight", shape, dtype, "copy", "ffn", layer,
+                 (Source(m, name, rows),)) for i, m in enumerate(experts)]
+    if part == "gate":  # once per layer
+        jobs.append(Job(f"{mlp}.router.weight", (len(experts), hidden), dtype, "random",
+                        "router", layer, std=std))
+    if recipe.curvature.kind == "kronecker":
+        jobs += _curvature_jobs(f"{mlp}.curvature.{proj}", shape, len(experts),
+                                recipe.curvature.rank, layer)
+    return jobs
 
 
 def _curvature_jobs(prefix: str, shape, n: int, rank: int, layer: int) -> list[Job]:

@@ -21,7 +21,18 @@ LAYER_SHAPES = {
     "mlp.gate_proj.weight": ("intermediate_size", "hidden_size"),
     "mlp.up_proj.weight": ("intermediate_size", "hidden_size"),
     "mlp.down_proj.weight": ("hidden_size", "intermediate_size"),
+    "self_attn.qkv_proj.weight": ("qkv", "hidden_size"),  # Phi-3: q, k, v rows fused
+    "mlp.gate_up_proj.weight": ("gate_up", "hidden_size"),  # Phi-3: gate rows, then up rows
 }
+
+
+def projection_rows(config: dict) -> dict[str, int]:
+    """Output rows of the attention and fused projections, from config.json's shape fields."""
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return {"q": heads * head_dim, "kv": kv * head_dim, "qkv": (heads + 2 * kv) * head_dim,
+            "gate_up": 2 * config["intermediate_size"]}
 
 
 def check_config_shapes(config: dict, roles: dict[str, TensorRole], shapes: dict[str, tuple],
@@ -36,11 +47,7 @@ def check_config_shapes(config: dict, roles: dict[str, TensorRole], shapes: dict
             raise CheckpointError(f"{where}/config.json: {key} is "
                                   f"{'missing' if value is None else repr(value)[:40]}; it must "
                                   "be a positive integer")
-    sizes = dict(config)
-    heads = config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    sizes |= {"q": heads * head_dim, "kv": kv * head_dim}
+    sizes = dict(config) | projection_rows(config)
     layers = sorted({r.layer for r in roles.values() if r.layer is not None})
     consecutive = layers == list(range(len(layers)))  # never range(num_hidden_layers): 10^12
     if not consecutive or len(layers) != config["num_hidden_layers"]:

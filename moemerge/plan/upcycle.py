@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from moemerge.architectures import moe_layouts
 from moemerge.architectures.config import moe_config
 from moemerge.errors import RecipeError
 from moemerge.merge.primitives import generator_for
@@ -171,7 +170,7 @@ def plan_upcycle(recipe: UpcycleRecipe, models: list[SourceModel]) -> Plan:
     """models = upcycle_sources(...): non-FFN tensors copied from the dense model, a router per
     layer, and experts c·m + j = slice j of copy c."""
     dense, view = models[0], models[1].reader
-    layout = moe_layouts()[dense.family.moe_target]
+    layout = dense.family.moe_layout(dense.where())
     refuse_unsupported_tensors(dense, layout)
     dtype = output_dtype(recipe.output.dtype, dense)
     hidden, m = dense.config["hidden_size"], recipe.granularity

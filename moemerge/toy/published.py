@@ -3,9 +3,10 @@
 The configs (published_configs.json) carry the keys that trip merge tools: tied embeddings (no
 `lm_head.weight` on disk), llama3 rope scaling, Qwen's sliding-window keys present but off, an
 explicit `head_dim` that is not hidden / heads (Qwen3), Granite's multipliers, bf16 (OLMo 2 is
-published in fp32). `published_model` writes random
-weights in that dtype and the config.json in the publisher's classic keys, as the hub has them
-(not re-serialised by the installed transformers).
+published in fp32); Gemma 2 / 3 (softcapping, query_pre_attn_scalar, sliding-window layers,
+Gemma 3's local rope base) and Phi-3 (fused qkv_proj and gate_up_proj). `published_model`
+writes random weights in that dtype and the config.json in the publisher's classic keys, as the
+hub has them (not re-serialised by the installed transformers).
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from moemerge.toy.train import init_model
 
 CONFIGS_FILE = Path(__file__).with_name("published_configs.json")
 SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "vocab_size")
+              "num_key_value_heads", "head_dim", "vocab_size",
+              # windows shorter than a test's sequences, and a local/global layer pattern that
+              # fits in few layers (Gemma 3: every n-th layer global)
+              "sliding_window", "sliding_window_pattern")
 
 
 @cache
