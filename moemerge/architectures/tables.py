@@ -44,8 +44,8 @@ class DenseFamily:
     @property
     def ffn_module(self) -> str:
         """The layer's FFN module ("mlp"): its input is what an MoE's router reads."""
-        gate = next(rest for rest, role in self.layer_tensors.items() if role == "ffn.gate")
-        return gate.rsplit(".", 2)[0]
+        ffn = next(rest for rest, role in self.layer_tensors.items() if role.startswith("ffn."))
+        return ffn.rsplit(".", 2)[0]
 
     def classify(self, name: str) -> TensorRole | None:
         if name in self.tensors:

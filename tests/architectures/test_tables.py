@@ -63,7 +63,8 @@ def test_every_table_entry_points_at_what_exists():
     each fused tensor joins known projections; a shared target is used only when asked."""
     layouts = moe_layouts()
     for family in dense_families().values():
-        assert family.moe_target in layouts and family.target(False) == family.moe_target
+        assert family.target(False) == family.moe_target
+        assert family.moe_target in layouts or family.moe_target is None  # Gemma, Phi-3
         if family.shared_target is not None:
             assert family.target(True) == family.shared_target
             assert layouts[family.shared_target].shared_expert is not None

@@ -61,8 +61,8 @@ def convert_moe(data: dict, notes: list[str]) -> dict:
         notes.append(f"tokenizer_source: not carried: moemerge copies the base model's "
                      f"tokenizer, not {data['tokenizer_source']!r}")
     notes.append("output: moemerge writes the classic per-expert tensor names that transformers "
-                 "4 and 5, vLLM and llama.cpp read (mergekit-moe writes transformers-5 fused "
-                 "names) and config.json with rope_theta and torch_dtype")
+                 "4 and 5 load and llama.cpp's converter reads (mergekit-moe writes "
+                 "transformers-5 fused names) and config.json with rope_theta and torch_dtype")
     return recipe
 
 
