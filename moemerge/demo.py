@@ -73,7 +73,14 @@ def _claim_workdir(workdir: Path) -> None:
 def run_demo(workdir: Path, *, preset_name: str = "demo", console: Console | None = None) -> Table:
     """Make the toy experts, build the bundled recipes, return the perplexity table."""
     from moemerge.api import build
-    from moemerge.eval.perplexity import perplexity_table, render_table
+    from moemerge.eval.perplexity import (
+        MAX_TOKENS,
+        load_tokenizer,
+        perplexity_table,
+        render_table,
+        window_counts,
+        windows_note,
+    )
 
     console = console or Console(stderr=True)
     spec = preset_spec(preset_name)
@@ -96,5 +103,10 @@ def run_demo(workdir: Path, *, preset_name: str = "demo", console: Console | Non
     models |= {"merge (ties)": built["merged"], "moe (btx)": built["moe"],
                "moe (seq_routed)": built["seq"]}
     texts = {d: (toy / "data" / f"{d}.eval.txt").read_text() for d in toyset.experts}
-    table = perplexity_table(models, texts, seq_len=spec.seq_len, prompt_tokens=PROMPT_TOKENS)
-    return render_table(table, title=f"perplexity per domain ({workdir})")
+    windows = {"seq_len": spec.seq_len, "max_tokens": MAX_TOKENS, "prompt_tokens": PROMPT_TOKENS}
+    table = render_table(perplexity_table(models, texts, **windows),
+                         title=f"perplexity per domain ({workdir})")
+    # the toy models share one tokenizer, so one count holds for every row
+    counts = window_counts(load_tokenizer(toy / "base"), texts, **windows)
+    table.caption, table.caption_justify = windows_note(counts, **windows), "left"
+    return table

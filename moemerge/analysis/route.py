@@ -15,6 +15,7 @@ from moemerge.data import Split, read_domains
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.io.reader import read_config
 from moemerge.modeling import is_sequence_routed
+from moemerge.modeling.routing_moemerge import sequence_nll
 
 SCHEMA = "moemerge.route/1"
 
@@ -23,7 +24,9 @@ SCHEMA = "moemerge.route/1"
 class RoutedPrompt:
     text: str
     tokens: int
-    experts: list[dict]  # [{"expert": index, "name": label, "weight": w}], heaviest first
+    # [{"expert": index, "name": label, "weight": w}], heaviest first; perplexity routing adds
+    # "perplexity": the expert's own perplexity on the prompt, the evidence behind the weight
+    experts: list[dict]
 
 
 @dataclass
@@ -31,6 +34,7 @@ class RouteReport:
     model: str
     router: str
     experts_per_sequence: int
+    temperature: float
     experts: list[str]
     prompts: list[RoutedPrompt] = field(default_factory=list)
 
@@ -47,12 +51,14 @@ def read_prompts(files: list[Path | str], *, split: Split, text_field: str) -> l
 
 @torch.no_grad()
 def route_prompts(model_dir: Path, prompts: list[str], *, router: str | None = None,
-                  k: int | None = None, max_tokens: int = 2048) -> RouteReport:
+                  k: int | None = None, temperature: float | None = None,
+                  max_tokens: int = 2048) -> RouteReport:
     """Route each prompt (its first `max_tokens` tokens) through the model at `model_dir`;
-    `router` / `k` override the model's routing for this run."""
+    `router` / `k` / `temperature` override the model's routing for this run."""
     model_dir = Path(model_dir)
     overrides = {key: value for key, value in
-                 (("router", router), ("num_experts_per_seq", k)) if value is not None}
+                 (("router", router), ("num_experts_per_seq", k),
+                  ("routing_temperature", temperature)) if value is not None}
     config = read_config(model_dir)
     if not is_sequence_routed(config):
         raise CheckpointError(f"{model_dir}: not a sequence-routed moemerge model (seq_routed or "
@@ -67,15 +73,33 @@ def route_prompts(model_dir: Path, prompts: list[str], *, router: str | None = N
     model.eval()
     labels = expert_labels(model_dir, model.config.num_experts)
     report = RouteReport(str(model_dir), model.config.router, model.config.num_experts_per_seq,
-                         labels)
+                         model.config.routing_temperature, labels)
     for text in prompts:
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
         ids = ids[:, :max_tokens]
         if ids.shape[1] == 0:
             raise RecipeError(f"prompt {text[:40]!r} has no tokens")
-        weights = model(input_ids=ids, use_cache=False).routing_weights[0]  # [N]
+        weights, ppl = _route(model, ids)
         chosen = [int(e) for e in weights.argsort(descending=True) if weights[e] > 0]
         report.prompts.append(RoutedPrompt(text, ids.shape[1], [
             {"expert": e, "name": labels[e], "weight": round(float(weights[e]), 6)}
+            | ({} if ppl is None else {"perplexity": round(float(ppl[e]), 4)})
             for e in chosen]))
     return report
+
+
+def _route(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """ids [1, T] -> (routing weights [N], each expert's perplexity on ids [N] under perplexity
+    routing, else None). The model's own route() decides, as in its forward; only the routing
+    is run, and perplexity routing's expert forwards are reused for the perplexities."""
+    embeds = model.embed_tokens(ids) if model.embed_tokens is not None else None
+
+    def run(e):  # expert e's (final hidden [1, T, d], cache) on the prompt, as forward runs it
+        return model.experts[e](ids, embeds, None, None, None)
+
+    weights, _, done = model.route(ids, None, run)
+    if model.config.router != "perplexity":
+        return weights[0], None
+    nll = torch.stack([sequence_nll(model._head(e, done[e][0]), ids, None)[0]
+                       for e in range(model.config.num_experts)])
+    return weights[0], nll.exp()

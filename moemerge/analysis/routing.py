@@ -25,7 +25,7 @@ import torch
 
 from moemerge.data import domain_texts
 from moemerge.errors import CheckpointError, RecipeError
-from moemerge.eval.perplexity import perplexity
+from moemerge.eval.perplexity import perplexity, window_counts
 from moemerge.io.atomic import RECIPE_COPY
 from moemerge.io.reader import read_config
 from moemerge.loading import load_causal_lm, load_pretrained
@@ -55,11 +55,13 @@ class RoutingReport:
     layers: list[int]  # indices of the layers that have a router
     domains: dict[str, DomainRouting] = field(default_factory=dict)
     level: str = "token"  # "sequence" for seq_routed / bridged: one row, slots per window
+    # the perplexity windows: {"seq_len": ..., "max_tokens": ..., "count": {domain: windows}}
+    windows: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
             "schema": SCHEMA, "model": self.model, "level": self.level,
-            "experts_per_token": self.experts_per_token,
+            "experts_per_token": self.experts_per_token, "windows": self.windows,
             "num_experts": len(self.labels), "experts": self.labels, "layers": self.layers,
             "domains": {
                 name: {"tokens": d.tokens, "perplexity": d.perplexity, "share": d.share,
@@ -140,7 +142,8 @@ def routing_report(
         return record
 
     report = RoutingReport(name, k, list(labels), [layer for layer, _ in routers],
-                           level="sequence" if sequence else "token")
+                           level="sequence" if sequence else "token",
+                           windows={"seq_len": seq_len, "max_tokens": max_tokens, "count": {}})
     handles = [m.register_forward_hook(hook(row)) for row, (_, m) in enumerate(routers)]
     was_training = model.training
     try:
@@ -153,6 +156,8 @@ def routing_report(
             slots = counts.sum(dim=1, keepdim=True)  # [layer, 1] = tokens * k
             share = (counts.double() / slots).tolist()
             report.domains[domain] = DomainRouting(int(slots[0, 0]) // k, ppl, share)
+            report.windows["count"] |= window_counts(tokenizer, {domain: text}, seq_len=seq_len,
+                                                     max_tokens=max_tokens)
     finally:
         for handle in handles:
             handle.remove()

@@ -8,6 +8,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from moemerge.analysis.routing import RoutingReport
+from moemerge.eval.perplexity import windows_note
 
 
 def _shares(values: list[float]) -> list[str]:
@@ -37,6 +38,10 @@ def summary_table(report: RoutingReport) -> Table:
     table.add_column("perplexity", justify="right")
     for name, d in report.domains.items():
         table.add_row(escape(name), *_shares(d.mean_share), str(d.tokens), f"{d.perplexity:.2f}")
+    if report.windows:
+        table.caption = windows_note(report.windows["count"], seq_len=report.windows["seq_len"],
+                                     max_tokens=report.windows["max_tokens"])
+        table.caption_justify = "left"
     return table
 
 

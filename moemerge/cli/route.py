@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -33,10 +34,15 @@ def route(
         typer.Option("-k", "--experts-per-sequence", help="Route each prompt to this many "
                      "experts instead of the model's own k.", min=1),
     ] = None,
+    temperature: Annotated[
+        Optional[float],  # noqa: UP045
+        typer.Option(help="Softmax temperature of the weights instead of the model's own "
+                     "(lower: more decisive)."),
+    ] = None,
     split: Annotated[
-        str, typer.Option(help="Text files: one prompt per 'line', per blank-line "
-                          "'paragraph', or per 'file'.")
-    ] = "line",
+        str, typer.Option(help="Text files: one prompt per blank-line 'paragraph' (a "
+                          "multi-line code block stays whole), per 'line', or per 'file'.")
+    ] = "paragraph",
     text_field: Annotated[str, typer.Option(help="JSONL: the prompt's field.")] = "text",
     max_tokens: Annotated[int, typer.Option(help="Tokens of each prompt routed on.",
                                             min=1)] = 2048,
@@ -60,8 +66,11 @@ def route(
         raise RecipeError(f"--split: must be line, paragraph or file, got {split!r}")
     if router is not None and router not in ("learned", "perplexity", "task_vector"):
         raise RecipeError(f"--router: must be learned, perplexity or task_vector, got {router!r}")
+    if temperature is not None and not temperature > 0:
+        raise RecipeError(f"--temperature: must be > 0, got {temperature:g}")
     texts = read_prompts(prompts, split=split, text_field=text_field)
-    report = route_prompts(model, texts, router=router, k=k, max_tokens=max_tokens)
+    report = route_prompts(model, texts, router=router, k=k, temperature=temperature,
+                           max_tokens=max_tokens)
 
     table = Table(title=f"routing of {len(texts)} prompts by {report.router} routing "
                   f"(top-{report.experts_per_sequence} of {len(report.experts)})",
@@ -69,14 +78,16 @@ def route(
     table.add_column("#", justify="right")
     table.add_column("prompt")
     table.add_column("tokens", justify="right")
-    table.add_column("experts (weight)")
+    by_ppl = report.router == "perplexity"
+    table.add_column("experts (weight, perplexity)" if by_ppl else "experts (weight)")
     for i, p in enumerate(report.prompts):
         preview = p.text.replace("\n", "⏎")
         preview = preview if len(preview) <= PREVIEW else preview[: PREVIEW - 1] + "…"
         table.add_row(str(i), escape(preview), str(p.tokens),
-                      escape(", ".join(f"{e['name']} ({e['weight']:.2f})" for e in p.experts)))
+                      escape(", ".join(expert_cell(e) for e in p.experts)))
     console = err if json_path == "-" else out  # keep stdout pure JSON with --json -
     console.print(table)
+    console.print(weights_legend(report), highlight=False)
     counts = {name: sum(p.experts[0]["name"] == name for p in report.prompts)
               for name in report.experts}
     console.print("first choice: " + ", ".join(f"{n} {c}" for n, c in counts.items()),
@@ -85,3 +96,29 @@ def route(
         sys.stdout.write(report.to_json())
     elif json_path is not None:
         Path(json_path).write_text(report.to_json())
+
+
+def expert_cell(e: dict) -> str:
+    """'code (0.51, ppl 3.2)': an expert's weight and, under perplexity routing, its perplexity."""
+    ppl = f", ppl {e['perplexity']:.1f}" if "perplexity" in e else ""
+    return f"{e['name']} ({e['weight']:.2f}{ppl})"
+
+
+def weights_legend(report) -> str:
+    """What the table's numbers mean: the weights are the mix generate() uses for the prompt."""
+    scores = {"learned": "the router's logits", "perplexity": "1/PPL",
+              "task_vector": "cos(-gradient, task vector)"}[report.router]
+    legend = (f"weight: each expert's share of the mixed output, softmax of {scores} over the "
+              f"top k at temperature {report.temperature:g}")
+    if report.router != "perplexity":
+        return legend
+    legend += "; ppl: the expert's perplexity on the prompt (lower fits better), the evidence"
+    # 1/PPL of LMs are small (0.016 vs 0.008 for the TINY experts on code): at temperature 1 the
+    # weights stay near 0.5. The temperature at which the median prompt's first choice gets
+    # weight 0.9 over its second: sigmoid(gap / T) = 0.9, T = gap / ln 9.
+    gaps = sorted(1 / p.experts[0]["perplexity"] - 1 / p.experts[1]["perplexity"]
+                  for p in report.prompts if len(p.experts) > 1)
+    if gaps and gaps[len(gaps) // 2] > 0:
+        legend += (f"; --temperature {gaps[len(gaps) // 2] / math.log(9):.1g} would give the "
+                   "median prompt's first choice weight 0.9")
+    return legend

@@ -29,6 +29,38 @@ def _windows(ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
     return [ids[i : i + step] for i in range(0, len(ids) - 1, step)]  # each has >= 2 tokens
 
 
+MAX_TOKENS = 20000  # tokens of each text read by default
+
+
+def _scored_windows(tokenizer, text: str, seq_len: int, max_tokens: int | None,
+                    prompt_tokens: int) -> list[torch.Tensor]:
+    """The windows [<= seq_len + 1] of `text`'s first `max_tokens` tokens that get scored."""
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    ids = torch.tensor(ids[:max_tokens] if max_tokens else ids, dtype=torch.long)
+    if len(ids) < 2 + prompt_tokens:
+        raise ValueError(f"perplexity needs a text of at least {2 + prompt_tokens} tokens")
+    return [w for w in _windows(ids, seq_len) if len(w) >= 2 + prompt_tokens]
+
+
+def window_counts(tokenizer, texts: Mapping[str, str], *, seq_len: int = 128,
+                  max_tokens: int | None = MAX_TOKENS, prompt_tokens: int = 0) -> dict[str, int]:
+    """{domain: number of windows `perplexity` scores on its text} for the same options."""
+    return {domain: len(_scored_windows(tokenizer, text, seq_len, max_tokens, prompt_tokens))
+            for domain, text in texts.items()}
+
+
+def windows_note(counts: Mapping[str, int], *, seq_len: int, max_tokens: int | None,
+                 prompt_tokens: int = 0) -> str:
+    """The line under a perplexity table saying which windows it scored: perplexities over
+    other windows (another seq_len, prompt or text length) differ for the same model."""
+    scored = (f"the last {seq_len - prompt_tokens} of each scored, the first {prompt_tokens} "
+              "its prompt" if prompt_tokens else f"the last {seq_len} of each scored")
+    read = f"the first {max_tokens} tokens" if max_tokens else "all tokens"
+    count = ", ".join(f"{escape(d)} {n}" for d, n in counts.items())
+    return (f"perplexity windows: {seq_len + 1} tokens, stride {seq_len + 1} (non-overlapping; "
+            f"{scored}), over {read} of each domain: {count}")
+
+
 @torch.no_grad()
 def perplexity(
     model,
@@ -36,7 +68,7 @@ def perplexity(
     text: str,
     *,
     seq_len: int = 128,
-    max_tokens: int | None = 20000,
+    max_tokens: int | None = MAX_TOKENS,
     batch_size: int = 8,
     prompt_tokens: int = 0,
 ) -> float:
@@ -46,13 +78,9 @@ def perplexity(
     tokens (a prompt; sequence-routed models make their routing decision there), then one on the
     rest with the KV cache; only the tokens after the prompt are scored, for every model alike.
     """
-    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-    ids = torch.tensor(ids[:max_tokens] if max_tokens else ids, dtype=torch.long)
-    if len(ids) < 2 + prompt_tokens:
-        raise ValueError(f"perplexity needs a text of at least {2 + prompt_tokens} tokens")
+    windows = _scored_windows(tokenizer, text, seq_len, max_tokens, prompt_tokens)
     model.eval()
     device = next(model.parameters()).device
-    windows = [w for w in _windows(ids, seq_len) if len(w) >= 2 + prompt_tokens]
     total_nll, total_tokens = 0.0, 0
     for start in range(0, len(windows), batch_size):
         chunk = windows[start : start + batch_size]

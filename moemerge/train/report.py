@@ -43,6 +43,14 @@ def _row(evals: Evals, domain: str) -> dict[str, float]:
     return {k: sum(e[k] for e in evals.values()) / n for k in ("loss", "ppl")}
 
 
+def step_stats(loss: float | None, tokens_per_s: float | None) -> str:
+    """The bar's loss and speed: a dash for each until the first step reports them (not
+    'loss nan 0 tok/s')."""
+    shown_loss = "–" if loss is None else f"{loss:.4f}"
+    shown_tps = "–" if tokens_per_s is None else f"{tokens_per_s:,.0f}"
+    return f"loss {shown_loss}  {shown_tps} tok/s"
+
+
 @contextmanager
 def progress_bar(console: Console | None, total: int, start: int) -> Iterator:
     """Yields update(record); a rich bar with step, loss, tokens/s and ETA (or nothing)."""
@@ -59,16 +67,16 @@ def progress_bar(console: Console | None, total: int, start: int) -> Iterator:
     )
 
     columns = (TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("loss {task.fields[loss]:.4f}"),
-               TextColumn("{task.fields[tps]:,.0f} tok/s"), TimeElapsedColumn(),
+               TextColumn("{task.fields[stats]}"), TimeElapsedColumn(),
                TextColumn("ETA"), TimeRemainingColumn())
     with Progress(*columns, console=console) as bar:
-        task = bar.add_task("train", total=total, completed=start, loss=float("nan"), tps=0.0)
+        task = bar.add_task("train", total=total, completed=start,
+                            stats=step_stats(None, None))
 
         def update(record: dict) -> None:
             if record["type"] == "train":
-                bar.update(task, completed=record["step"], loss=record["loss"],
-                           tps=record["tokens_per_s"])
+                bar.update(task, completed=record["step"],
+                           stats=step_stats(record["loss"], record["tokens_per_s"]))
 
         yield update
 

@@ -143,7 +143,7 @@ def test_data_specs(tmp_path):
     assert list(domain_texts([str(tmp_path / "d.jsonl")], label_field="topic")) == ["d"]
 
 
-def test_cli(moe, model_factory, tmp_path):
+def test_cli(moe, model_factory, tokenizer, tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     (data / "code.txt").write_text(TEXT * 10)
@@ -155,9 +155,17 @@ def test_cli(moe, model_factory, tmp_path):
     assert result.exit_code == 0, result.output
     assert "perplexity" in result.output and "per layer" in result.output
     assert "code" in result.output and "math" in result.output
+    # which windows the perplexities are over, under the table (the demo's differ)
+    tokens = {d: len(tokenizer(t, add_special_tokens=False)["input_ids"])
+              for d, t in (("code", TEXT * 10), ("math", MATH))}
+    counts = {d: -(-(n - 1) // 65) for d, n in tokens.items()}  # windows start every 65 tokens
+    assert (f"perplexity windows: 65 tokens, stride 65 (non-overlapping; the last 64 of each "
+            f"scored), over the first 20000 tokens of each domain: code {counts['code']}, math "
+            f"{counts['math']}") in " ".join(result.output.split())
     doc = json.loads(js.read_text())
     assert set(doc) == {"schema", "model", "level", "experts_per_token", "num_experts", "experts",
-                        "layers", "domains"}
+                        "layers", "domains", "windows"}
+    assert doc["windows"] == {"seq_len": 64, "max_tokens": 20000, "count": counts}
     assert doc["schema"] == "moemerge.routing/1" and doc["experts"] == ["code", "math"]
     assert doc["num_experts"] == 2 and doc["experts_per_token"] == 1
     assert set(doc["domains"]["math"]) == {"tokens", "perplexity", "share", "mean_share"}

@@ -8,7 +8,13 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from moemerge.errors import CheckpointError
-from moemerge.eval.perplexity import perplexity, perplexity_table, render_table
+from moemerge.eval.perplexity import (
+    perplexity,
+    perplexity_table,
+    render_table,
+    window_counts,
+    windows_note,
+)
 from moemerge.toy.experts import make_random_model
 from moemerge.toy.tokenizer import train_tokenizer
 
@@ -92,3 +98,18 @@ def test_object_without_tokenizer_or_missing_path_is_refused(model_dir, tmp_path
         perplexity_table({"m": model}, {"a": TEXT})
     with pytest.raises(CheckpointError, match="nowhere"):
         perplexity_table({"m": tmp_path / "nowhere"}, {"a": TEXT})
+
+
+def test_windows_note_counts_the_windows_perplexity_scores(tok):
+    """The line under a perplexity table: 65-token windows with a 32-token prompt score 32
+    tokens each; a window too short to hold the prompt and a token to score is not counted."""
+    n = len(tok(TEXT * 5, add_special_tokens=False)["input_ids"])
+    counts = window_counts(tok, {"a": TEXT * 5, "b": TEXT * 5}, seq_len=64, max_tokens=None,
+                           prompt_tokens=32)
+    whole, rest = divmod(n, 65)
+    assert counts == {"a": whole + (rest >= 34), "b": whole + (rest >= 34)}
+    assert window_counts(tok, {"a": TEXT * 5}, seq_len=64, max_tokens=100) == {"a": 2}
+    assert windows_note(counts, seq_len=64, max_tokens=20000, prompt_tokens=32) == (
+        "perplexity windows: 65 tokens, stride 65 (non-overlapping; the last 32 of each scored, "
+        f"the first 32 its prompt), over the first 20000 tokens of each domain: a {counts['a']}, "
+        f"b {counts['b']}")

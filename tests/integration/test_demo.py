@@ -15,6 +15,10 @@ def test_demo_builds_the_bundled_recipes_and_prints_perplexities(tmp_path, tiny_
     for row in ("base", "expert:code", "expert:prose", "expert:math", "merge (ties)", "moe (btx)",
                 "moe (seq_routed)"):
         assert row in result.output
+    # the windows of its perplexities, under the table (inspect --data's default differ)
+    assert ("perplexity windows: 65 tokens, stride 65 (non-overlapping; the last 32 of each "
+            "scored, the first 32 its prompt), over the first 20000 tokens of each domain: code "
+            ) in " ".join(result.output.split())
     config = json.loads((workdir / "moe" / "config.json").read_text())
     assert config["architectures"] == ["MixtralForCausalLM"] and config["num_local_experts"] == 3
     assert (workdir / "merged" / "model.safetensors").is_file()
