@@ -63,7 +63,7 @@ def route_prompts(model_dir: Path, prompts: list[str], *, router: str | None = N
     if not is_sequence_routed(config):
         raise CheckpointError(f"{model_dir}: not a sequence-routed moemerge model (seq_routed or "
                               "bridged); a token-routed MoE routes each token, see `moemerge "
-                              "inspect MODEL --data ...`")
+                              "inspect routing MODEL --data ...`")
     if k is not None and k > len(config["experts"]):
         raise RecipeError(f"-k {k}: the model has only {len(config['experts'])} experts")
     if router == "task_vector" and not config.get("base"):

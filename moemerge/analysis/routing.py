@@ -210,7 +210,8 @@ def routing_report_from_dir(
     seq_len: int = 256,
     max_tokens: int | None = 20000,
 ) -> RoutingReport:
-    """`moemerge inspect MODEL_DIR --data ...`: the data is read (and checked) before the model."""
+    """`moemerge inspect routing MODEL_DIR --data ...`: the data is read (and checked) before
+    the model."""
     model_dir = Path(model_dir)
     texts = domain_texts(data, label_field=label_field, text_field=text_field)
     model, tokenizer = load_moe(model_dir)

@@ -1,4 +1,4 @@
-"""`moemerge inspect`: task-vector reports, and routing reports on built MoEs."""
+"""`moemerge inspect`: `task-vectors` (the default) before a build, `routing` of a built MoE."""
 
 from __future__ import annotations
 
@@ -8,17 +8,43 @@ from typing import Annotated, Optional
 
 import typer
 
-from moemerge.cli.app import app, err, out, reports_errors
+from moemerge.cli.app import App, Group, app, err, out, reports_errors
+
+JsonOption = Annotated[
+    Optional[str],  # noqa: UP045 - typer needs Optional on 3.10
+    typer.Option("--json", help="Write the report as JSON to this file ('-': stdout)."),
+]
 
 
-@app.command()
+class InspectGroup(Group):
+    """`inspect BASE EXPERT...` is `inspect task-vectors BASE EXPERT...` (a first word that is
+    not a subcommand starts the task-vector report); the old `inspect MODEL --data ...` is
+    `inspect routing MODEL --data ...`, with a deprecation message."""
+
+    def parse_args(self, ctx, args):
+        if args and args[0] not in self.commands and args[0] not in ctx.help_option_names:
+            old_routing = any(a == "--data" or a.startswith("--data=") for a in args)
+            if old_routing:
+                err.print("[yellow]deprecated:[/] `inspect MODEL --data ...` is now "
+                          "`inspect routing MODEL --data ...`", highlight=False)
+            args = ["routing" if old_routing else "task-vectors", *args]
+        return super().parse_args(ctx, args)
+
+
+inspect_app = App(
+    cls=InspectGroup, no_args_is_help=True, add_completion=False,
+    help="Report on models before or after a build: `inspect BASE EXPERT...` (task vectors, "
+    "the default) or `inspect routing MODEL --data ...` (a built MoE's routing).")
+app.add_typer(inspect_app, name="inspect")
+
+
+@inspect_app.command("task-vectors")
 @reports_errors
-def inspect(
+def task_vectors(
     models: Annotated[
         Optional[list[str]],  # noqa: UP045 - typer needs Optional on 3.10
-        typer.Argument(help="BASE then one or more EXPERTs (local dirs or hub ids); with "
-                       "--data, one built MoE MODEL.", metavar="BASE EXPERT | MODEL",
-                       show_default=False),
+        typer.Argument(help="BASE then one or more EXPERTs (local dirs or hub ids).",
+                       metavar="BASE EXPERT", show_default=False),
     ] = None,
     recipe: Annotated[
         Optional[Path],  # noqa: UP045
@@ -27,15 +53,9 @@ def inspect(
     density: Annotated[
         float, typer.Option(help="TIES density for the trimmed-mass statistic.")
     ] = 0.7,
-    json_path: Annotated[
-        Optional[str],  # noqa: UP045
-        typer.Option("--json", help="Write the report as JSON to this file ('-': stdout)."),
-    ] = None,
-    plot: Annotated[
-        Optional[Path],  # noqa: UP045
-        typer.Option(help="Write cosine heatmaps (one panel per role) to this PNG; with "
-                     "--data, routing bars and a heatmap per domain."),
-    ] = None,
+    json_path: JsonOption = None,
+    plot: Annotated[Optional[Path], typer.Option(  # noqa: UP045
+        help="Write cosine heatmaps (one panel per role) to this PNG.")] = None,
     markdown: Annotated[
         Optional[Path],  # noqa: UP045
         typer.Option(help="Write the tables and verdict as markdown (for a model card)."),
@@ -45,30 +65,10 @@ def inspect(
                            "weights_only=True). Only for files you trust.")
     ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
-    data: Annotated[
-        Optional[list[str]],  # noqa: UP045
-        typer.Option(help="Routing report of the MoE MODEL on this text: a file, directory, "
-                     "JSONL, saved or hub dataset, or name=path (docs/data.md); repeat.",
-                     show_default=False),
-    ] = None,
-    label_field: Annotated[str, typer.Option(help="JSONL --data: the domain field.")] = "domain",
-    text_field: Annotated[str, typer.Option(help="JSONL --data: the text field.")] = "text",
-    seq_len: Annotated[int, typer.Option(help="--data: tokens per window.", min=1)] = 256,
-    max_tokens: Annotated[
-        int, typer.Option(help="--data: tokens read per domain.", min=2)
-    ] = 20000,
-    per_layer: Annotated[
-        bool, typer.Option("--per-layer", help="--data: also a table per layer.")
-    ] = False,
 ) -> None:
-    """Task-vector report: per layer and role, how the experts' changes from BASE relate
-    (cosine, sign conflicts, norms), and what that means for merging them (docs/inspect.md).
-
-    With --data, routing report instead: `inspect MODEL --data ...` routes each domain's text
-    through the built MoE MODEL and reports each expert's share of its tokens per layer, and the
-    perplexity. (One command for both: both inspect models before or after a build, and share
-    --json and --plot; the positional arguments say which report.)
-    """
+    """Task-vector report (the default of `inspect`): per layer and role, how the experts'
+    changes from BASE relate (cosine, sign conflicts, norms), and what that means for merging
+    them (docs/inspect.md)."""
     import json
 
     from moemerge.analysis import recipe_models, task_vector_report, verdict
@@ -78,14 +78,6 @@ def inspect(
     from moemerge.errors import RecipeError
 
     models = models or []
-    if data:
-        if recipe is not None or markdown is not None or allow_pickle or len(models) != 1:
-            raise RecipeError("--data: give exactly one MODEL (a built MoE directory); "
-                              "--recipe, --markdown and --allow-pickle are task-vector options")
-        _inspect_routing(Path(models[0]), data, label_field=label_field, text_field=text_field,
-                         seq_len=seq_len, max_tokens=max_tokens, per_layer=per_layer,
-                         json_path=json_path, plot=plot)
-        return
     if recipe is not None:
         if models:
             raise RecipeError("give either BASE EXPERT... or --recipe, not both")
@@ -115,6 +107,46 @@ def inspect(
         _wrote(plot, "cosine heatmaps")
 
 
+@inspect_app.command("routing")
+@reports_errors
+def routing(
+    model: Annotated[Path, typer.Argument(help="A built MoE directory.", metavar="MODEL",
+                                          show_default=False)],
+    data: Annotated[
+        list[str],
+        typer.Option(help="Text to route: a file, directory, JSONL, saved or hub dataset, or "
+                     "name=path (docs/data.md); repeat.", show_default=False),
+    ],
+    label_field: Annotated[str, typer.Option(help="JSONL data: the domain field.")] = "domain",
+    text_field: Annotated[str, typer.Option(help="JSONL data: the text field.")] = "text",
+    seq_len: Annotated[int, typer.Option(help="Tokens per window.", min=1)] = 256,
+    max_tokens: Annotated[int, typer.Option(help="Tokens read per domain.", min=2)] = 20000,
+    per_layer: Annotated[bool, typer.Option("--per-layer", help="Also a table per layer.")
+                         ] = False,
+    json_path: JsonOption = None,
+    plot: Annotated[Optional[Path], typer.Option(  # noqa: UP045
+        help="Write routing bars and a heatmap per domain to this PNG.")] = None,
+) -> None:
+    """Routing report: route each domain's text through the built MoE MODEL and report each
+    expert's share of its tokens per layer, and the perplexity (docs/inspect.md)."""
+    from moemerge.analysis.routing import routing_report_from_dir
+    from moemerge.analysis.routing_render import layer_table, summary_table
+    from moemerge.analysis.routing_render import plot as plot_png
+
+    report = routing_report_from_dir(model, data, label_field=label_field,
+                                     text_field=text_field, seq_len=seq_len,
+                                     max_tokens=max_tokens)
+    console = err if json_path == "-" else out  # keep stdout pure JSON with --json -
+    console.print(summary_table(report))
+    if per_layer:
+        console.print(layer_table(report))
+    if json_path is not None:
+        _write_json(json_path, report.to_json(), "routing report")
+    if plot is not None:
+        plot_png(report, plot)
+        _wrote(plot, "routing bars and heatmaps")
+
+
 def _write_json(json_path: str, text: str, what: str) -> None:
     if json_path == "-":
         sys.stdout.write(text)
@@ -128,21 +160,3 @@ def _wrote(path: Path, what: str) -> None:
     from rich.markup import escape
 
     err.print(f"wrote {what} to {escape(str(path))}", highlight=False)
-
-
-def _inspect_routing(model: Path, data: list[str], *, json_path: str | None, plot: Path | None,
-                     per_layer: bool, **kw) -> None:
-    from moemerge.analysis.routing import routing_report_from_dir
-    from moemerge.analysis.routing_render import layer_table, summary_table
-    from moemerge.analysis.routing_render import plot as plot_png
-
-    report = routing_report_from_dir(model, data, **kw)
-    console = err if json_path == "-" else out  # keep stdout pure JSON with --json -
-    console.print(summary_table(report))
-    if per_layer:
-        console.print(layer_table(report))
-    if json_path is not None:
-        _write_json(json_path, report.to_json(), "routing report")
-    if plot is not None:
-        plot_png(report, plot)
-        _wrote(plot, "routing bars and heatmaps")

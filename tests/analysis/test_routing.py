@@ -1,4 +1,4 @@
-"""`moemerge inspect MODEL --data ...`: routing shares checked against hand-known and
+"""`moemerge inspect routing MODEL --data ...`: routing shares checked against hand-known and
 independently computed routing, on the toy experts, through the CLI, and on bad input."""
 
 from __future__ import annotations
@@ -150,8 +150,9 @@ def test_cli(moe, model_factory, tokenizer, tmp_path):
     (data / "math.txt").write_text(MATH)
     js, png = tmp_path / "r.json", tmp_path / "r.png"
     runner = CliRunner()
-    result = runner.invoke(app, ["inspect", str(moe(2, 1)), "--data", str(data), "--json",
-                                 str(js), "--plot", str(png), "--per-layer", "--seq-len", "64"])
+    result = runner.invoke(app, ["inspect", "routing", str(moe(2, 1)), "--data", str(data),
+                                 "--json", str(js), "--plot", str(png), "--per-layer",
+                                 "--seq-len", "64"])
     assert result.exit_code == 0, result.output
     assert "perplexity" in result.output and "per layer" in result.output
     assert "code" in result.output and "math" in result.output
@@ -171,9 +172,19 @@ def test_cli(moe, model_factory, tokenizer, tmp_path):
     assert set(doc["domains"]["math"]) == {"tokens", "perplexity", "share", "mean_share"}
     assert png.stat().st_size > 1024 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    dense = runner.invoke(app, ["inspect", str(model_factory("llama")), "--data", str(data)])
+    dense = runner.invoke(app, ["inspect", "routing", str(model_factory("llama")), "--data",
+                                str(data)])
     assert dense.exit_code == 1 and "not an MoE" in dense.output
-    missing = runner.invoke(app, ["inspect", str(moe(2, 1)), "--data", f"a={data / 'no.txt'}"])
+    missing = runner.invoke(app, ["inspect", "routing", str(moe(2, 1)), "--data",
+                                  f"a={data / 'no.txt'}"])
     assert missing.exit_code == 2 and "no.txt" in missing.output
-    both = runner.invoke(app, ["inspect", str(moe(2, 1)), str(moe(2, 1)), "--data", str(data)])
-    assert both.exit_code == 2 and "exactly one MODEL" in both.output
+    both = runner.invoke(app, ["inspect", "routing", str(moe(2, 1)), str(moe(2, 1)), "--data",
+                               str(data)])
+    assert both.exit_code == 2 and "unexpected extra argument" in both.output
+    no_data = runner.invoke(app, ["inspect", "routing", str(moe(2, 1))])
+    assert no_data.exit_code == 2 and "--data" in no_data.output
+    # the form from before `inspect routing` still works, and says what replaced it
+    old = runner.invoke(app, ["inspect", str(moe(2, 1)), "--data", str(data), "--seq-len", "64"])
+    assert old.exit_code == 0, old.output
+    assert "deprecated" in old.output and "inspect routing MODEL" in old.output
+    assert "perplexity windows: 65 tokens" in " ".join(old.output.split())
