@@ -55,11 +55,11 @@ class Domain:
 
 def read_domains(specs: Iterable[str], *, text_field: str = "text",
                  label_field: str = "domain", split: Split = "file",
-                 what: str = "--data") -> dict[str, Domain]:
+                 what: str = "--data", near: Path | None = None) -> dict[str, Domain]:
     """{name: Domain} from the specs, in the order first seen. `split` cuts text files' documents
     further (per line or blank-line paragraph; route's prompts); `what` names the option in
-    messages."""
-    reader = _Reader(text_field, label_field, split, what)
+    messages; a relative path that exists under `near` (a recipe's directory) is read there."""
+    reader = _Reader(text_field, label_field, split, what, near)
     for spec in specs:
         reader.spec(str(spec))
     if not reader.domains:
@@ -79,9 +79,10 @@ def domain_texts(specs: Iterable[str], *, text_field: str = "text",
 
 
 class _Reader:
-    def __init__(self, text_field: str, label_field: str, split: Split, what: str):
-        self.text_field, self.label_field, self.split, self.what = (
-            text_field, label_field, split, what)
+    def __init__(self, text_field: str, label_field: str, split: Split, what: str,
+                 near: Path | None):
+        self.text_field, self.label_field, self.split, self.what, self.near = (
+            text_field, label_field, split, what, near)
         self.domains: dict[str, Domain] = {}
 
     def add(self, name: str, docs: list[str], source: str, *, held_out: bool = False) -> None:
@@ -92,13 +93,20 @@ class _Reader:
 
     def spec(self, spec: str) -> None:
         name, sep, where = spec.partition("=")
-        if sep and name and not Path(spec).exists():  # `name=path` (unless a file has that name)
+        if sep and name and not self.local(spec).exists():  # `name=path` (unless a file is)
             self.source(where, label=name)
         else:
             self.source(spec, label=None)
 
-    def source(self, ref: str, label: str | None) -> None:
+    def local(self, ref: str) -> Path:
+        """`ref` as a path: under `near` when it is relative and exists there."""
         path = Path(ref).expanduser()
+        if self.near is not None and not path.is_absolute() and (self.near / path).exists():
+            return self.near / path
+        return path
+
+    def source(self, ref: str, label: str | None) -> None:
+        path = self.local(ref)
         if not path.exists():
             if "/" in ref and not looks_like_path(ref):  # org/name: a bare word is a typo
                 self.dataset(ref, label, saved=False)

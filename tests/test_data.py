@@ -101,3 +101,20 @@ def test_saved_datasets_keep_their_held_out_split(tmp_path):
     }).save_to_disk(tmp_path / "saved")
     domain = read_domains([f"math={tmp_path / 'saved'}"])["math"]
     assert (domain.documents, domain.held_out) == (["train row"], ["test row"])
+
+
+def test_relative_paths_are_read_near_the_recipe(tmp_path, monkeypatch):
+    """A recipe's `calibration.data` names files beside the recipe, whatever the working
+    directory; a path that exists only where the command runs is still read there."""
+    recipe_dir, elsewhere = tmp_path / "recipe", tmp_path / "cwd"
+    (recipe_dir / "data").mkdir(parents=True)
+    elsewhere.mkdir()
+    (recipe_dir / "data" / "code.txt").write_text("def f(): pass")
+    (elsewhere / "notes.txt").write_text("plain text")
+    monkeypatch.chdir(elsewhere)
+    domains = read_domains(["data/code.txt", "prose=notes.txt"], near=recipe_dir)
+    assert {n: d.documents for n, d in domains.items()} == {
+        "code": ["def f(): pass"], "prose": ["plain text"]}
+    assert domains["code"].sources == [str(recipe_dir / "data" / "code.txt")]
+    with pytest.raises(RecipeError, match="data/code.txt: no such file"):
+        read_domains(["data/code.txt"])  # without `near`: relative to the working directory
