@@ -16,7 +16,6 @@ from the model output's routing_weights [B, N].
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ from moemerge.io.reader import read_config
 from moemerge.loading import load_causal_lm, load_pretrained
 from moemerge.modeling import is_merged_experts, is_sequence_routed
 from moemerge.recipe.load import safe_yaml
+from moemerge.routing.modules import find_routers
 
 SCHEMA = "moemerge.routing/1"  # bump when a key changes meaning or disappears (docs/inspect.md)
 
@@ -91,20 +91,6 @@ def moe_shape(config, where: str) -> tuple[int, int]:
             "model (for task vectors, give BASE EXPERT... without --data)"
         )
     return int(experts), int(k)
-
-
-def find_routers(model: torch.nn.Module, num_experts: int) -> list[tuple[int, torch.nn.Module]]:
-    """[(layer index, router)] for modules named `gate` with a [num_experts, hidden] weight
-    (Qwen2-MoE's `shared_expert_gate` is [1, hidden] and named otherwise)."""
-    routers = []
-    for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if name.rsplit(".", 1)[-1] != "gate" or not isinstance(weight, torch.Tensor):
-            continue
-        layer = re.search(r"layers\.(\d+)\.", name)
-        if weight.dim() == 2 and weight.shape[0] == num_experts and layer:
-            routers.append((int(layer.group(1)), module))
-    return sorted(routers, key=lambda pair: pair[0])
 
 
 @torch.no_grad()

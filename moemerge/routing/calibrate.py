@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moemerge.routing.modules import find_routers
 from moemerge.routing.ridge import decisive_scale, fit_router, held_out_windows
 
 BATCH = 8  # windows per forward
@@ -96,15 +97,12 @@ def _solve(x: torch.Tensor, y: torch.Tensor, window: torch.Tensor, confidence: f
 
 def token_gates(model, num_experts: int) -> list[torch.nn.Module]:
     """Each decoder layer's router module (weight [E, H], named `gate`), in layer order."""
-    gates = []
-    for index, layer in enumerate(model.model.layers):
-        found = [m for n, m in layer.named_modules() if n.rsplit(".", 1)[-1] == "gate"
-                 and getattr(m, "weight", None) is not None and m.weight.shape[0] == num_experts]
-        if len(found) != 1:
-            raise ValueError(f"layer {index}: expected one router named 'gate' with "
-                             f"{num_experts} rows, found {len(found)}")
-        gates.append(found[0])
-    return gates
+    found = find_routers(model, num_experts)
+    layers = [layer for layer, _ in found]
+    if layers != list(range(len(model.model.layers))):
+        raise ValueError(f"expected one router named 'gate' with {num_experts} rows per "
+                         f"decoder layer, found them in layers {layers}")
+    return [router for _, router in found]
 
 
 def calibrate_token_routers(model, cal: Calibration) -> dict[int, torch.Tensor]:
