@@ -194,7 +194,7 @@ def build(
     with ExitStack() as stack:
         models = open_sources(
             _labelled_refs(recipe), recipe_path.parent, allow_pickle=allow_pickle, stack=stack,
-            check=(lambda _: None) if isinstance(recipe, BridgedRecipe) else None,
+            compatible=not isinstance(recipe, BridgedRecipe),
         )
         vocab_notes: list[str] = []
         if isinstance(recipe, UpcycleRecipe):  # the experts' FFN slices, made when read

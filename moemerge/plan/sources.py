@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,10 +82,11 @@ def open_sources(
     *,
     allow_pickle: bool,
     stack: ExitStack,
-    check: Callable[[list[SourceModel]], None] | None = None,
+    compatible: bool = True,
 ) -> list[SourceModel]:
-    """Open every (label, ref) model; the readers are closed by `stack`. `check` (default
-    check_compatible: one architecture, same shapes) says whether they can be combined."""
+    """Open every (label, ref) model; the readers are closed by `stack`. With `compatible`,
+    check_compatible (one architecture, same shapes) says whether they can be combined;
+    bridged experts may differ in both (their plan checks what it needs)."""
     models = []
     for label, ref in refs:
         path = resolve_ref(ref, recipe_dir)
@@ -105,7 +105,8 @@ def open_sources(
         check_config_shapes(reader.config, roles,
                             {n: m.shape for n, m in reader.metas.items()}, f"{label}: {path}")
         models.append(SourceModel(label, path, reader, family, roles))
-    (check or check_compatible)(models)
+    if compatible:
+        check_compatible(models)
     return models
 
 
