@@ -37,21 +37,10 @@ def calibrates(recipe) -> bool:
     return getattr(getattr(recipe, "router", None), "init", None) == "calibrate"
 
 
-def _resolve(spec: str, recipe_dir: Path) -> str:
-    """A data entry with its path made relative to the recipe's directory (if it exists
-    there; hub ids and absolute paths are left alone)."""
-    name, sep, where = spec.partition("=")
-    named = bool(sep and name)
-    path = Path(where if named else spec)
-    if path.is_absolute() or not (recipe_dir / path).exists():
-        return spec
-    return f"{name}={recipe_dir / path}" if named else str(recipe_dir / path)
-
-
 def calibration_texts(spec: CalibrationSpec, recipe_dir: Path) -> dict[str, list[str]]:
     """{domain: documents}; errors name `calibration.data` (moemerge.data's messages)."""
-    domains = read_domains([_resolve(s, recipe_dir) for s in spec.data],
-                           text_field=spec.text_field, what="calibration.data")
+    domains = read_domains(spec.data, text_field=spec.text_field, what="calibration.data",
+                           near=recipe_dir)
     return {name: domain.documents for name, domain in domains.items()}
 
 
@@ -84,7 +73,7 @@ def calibration_set(spec: CalibrationSpec, texts: dict[str, list[str]], tokenize
                 "or give one mixed text (targets: loss)")
         return Calibration(ids, domain_targets(domain, [labels.index(d) for d in blocks.domains],
                                                len(labels), spec.seq_len), spec.confidence)
-    nll = torch.stack([token_nll(_dense(m.path), ids) for m in experts])  # [E, W, S]
+    nll = torch.stack([token_nll(_fp32_model(m.path), ids) for m in experts])  # [E, W, S]
     return Calibration(ids, loss_targets(nll), spec.confidence)
 
 
@@ -96,7 +85,7 @@ def _spread(index: torch.Tensor, count: int) -> torch.Tensor:
     return index[torch.linspace(0, len(index) - 1, count).round().long()]
 
 
-def _dense(path: Path):
+def _fp32_model(path: Path):
     return load_pretrained("AutoModelForCausalLM", path, dtype=torch.float32).eval()
 
 
@@ -104,7 +93,7 @@ def calibrated_routers(recipe, plan: Plan, draft: Path, cal: Calibration
                        ) -> dict[str, torch.Tensor]:
     """{output tensor name: router} fitted on the draft build at `draft` (its routers are
     placeholders)."""
-    model = load_pretrained("AutoModelForCausalLM", draft, dtype=torch.float32).eval()
+    model = _fp32_model(draft)
     assembly = getattr(recipe, "assembly", "token_routed")
     if assembly in ("seq_routed", "bridged"):
         by_layer = {None: calibrate_sequence_router(model, cal)}
