@@ -37,6 +37,8 @@ class RouteReport:
     temperature: float
     experts: list[str]
     prompts: list[RoutedPrompt] = field(default_factory=list)
+    # a perplexity router's scores: "log_inverse" (log 1/PPL) or "inverse" (1/PPL; older models)
+    perplexity_score: str = "log_inverse"
 
     def to_json(self) -> str:
         return json.dumps({"schema": SCHEMA, **asdict(self)}, indent=2) + "\n"
@@ -73,7 +75,8 @@ def route_prompts(model_dir: Path, prompts: list[str], *, router: str | None = N
     model.eval()
     labels = expert_labels(model_dir, model.config.num_experts)
     report = RouteReport(str(model_dir), model.config.router, model.config.num_experts_per_seq,
-                         model.config.routing_temperature, labels)
+                         model.config.routing_temperature, labels,
+                         perplexity_score=model.config.perplexity_score)
     for text in prompts:
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
         ids = ids[:, :max_tokens]

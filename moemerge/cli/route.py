@@ -55,7 +55,8 @@ def route(
 
     The routing is the one generate() makes on a prompt and keeps for every generated token:
     learned (router on the mean token embedding), perplexity (one forward per expert, weights
-    softmax over the top-k 1/PPL) or task_vector (one forward and backward of the base).
+    softmax over the top-k log(1/PPL): each expert's 1/PPL, normalised) or task_vector (one
+    forward and backward of the base).
     """
     from rich.table import Table
 
@@ -106,17 +107,19 @@ def expert_cell(e: dict) -> str:
 
 def weights_legend(report) -> str:
     """What the table's numbers mean: the weights are the mix generate() uses for the prompt."""
-    scores = {"learned": "the router's logits", "perplexity": "1/PPL",
-              "task_vector": "cos(-gradient, task vector)"}[report.router]
+    inverse = report.perplexity_score == "inverse"  # a model built before log(1/PPL) scores
+    scores = {"learned": "the router's logits", "perplexity": "1/PPL" if inverse else
+              "log(1/PPL)", "task_vector": "cos(-gradient, task vector)"}[report.router]
     legend = (f"weight: each expert's share of the mixed output, softmax of {scores} over the "
               f"top k at temperature {report.temperature:g}")
     if report.router != "perplexity":
         return legend
     legend += "; ppl: the expert's perplexity on the prompt (lower fits better), the evidence"
-    # 1/PPL of LMs are small (0.016 vs 0.008 for the TINY experts on code): at temperature 1 the
-    # weights stay near 0.5. The temperature at which the median prompt's first choice gets
-    # weight 0.9 over its second: sigmoid(gap / T) = 0.9, T = gap / ln 9.
-    gaps = sorted(1 / p.experts[0]["perplexity"] - 1 / p.experts[1]["perplexity"]
+    # The temperature at which the median prompt's first choice gets weight 0.9 over its
+    # second: sigmoid(gap / T) = 0.9, T = gap / ln 9. (1/PPL scores of LMs are small and close,
+    # 0.016 vs 0.008 for the TINY experts on code, so at temperature 1 they weigh ~0.5 each.)
+    score = (lambda ppl: 1 / ppl) if inverse else (lambda ppl: -math.log(ppl))
+    gaps = sorted(score(p.experts[0]["perplexity"]) - score(p.experts[1]["perplexity"])
                   for p in report.prompts if len(p.experts) > 1)
     if gaps and gaps[len(gaps) // 2] > 0:
         legend += (f"; --temperature {gaps[len(gaps) // 2] / math.log(9):.1g} would give the "

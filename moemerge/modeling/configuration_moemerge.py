@@ -19,6 +19,7 @@ from transformers import PretrainedConfig
 ASSEMBLIES = ("seq_routed", "bridged")
 ROUTERS = ("learned", "perplexity", "task_vector")
 ROUTER_INPUTS = ("mean_embedding", "rms_mean_embedding")
+PERPLEXITY_SCORES = ("inverse", "log_inverse")
 MIXES = ("logits", "hidden")
 
 
@@ -37,7 +38,8 @@ class MoemergeConfig(PretrainedConfig):
         projector_hidden_size: width of the MLP branch of each projector (bridged only);
             0 makes projectors plain linear maps.
         router: "learned" (a linear router on the mean token embedding), "perplexity"
-            (softmax over the top-k 1/PPL of each expert on the sequence) or "task_vector"
+            (softmax over the top-k scores of each expert's perplexity on the sequence; see
+            perplexity_score) or "task_vector"
             (cosine between the base model's descent direction on the sequence and each
             expert's task vector; needs `base`).
         router_input: what the learned router reads: "rms_mean_embedding" (the mean token
@@ -45,6 +47,11 @@ class MoemergeConfig(PretrainedConfig):
             embedding's scale; written by moemerge since the calibrate init) or
             "mean_embedding" (unnormalised; the default, so older checkpoints, whose configs
             lack the key, compute as before).
+        perplexity_score: a perplexity router's score: "log_inverse" (log 1/PPL = −mean NLL:
+            the weights are 1/PPL^(1/temperature), normalised over the top k; written by
+            moemerge since this key exists) or "inverse" (1/PPL itself, whose small, close
+            values leave the weights near uniform; the default, so older checkpoints, whose
+            configs lack the key, compute as before).
         num_experts_per_seq: k, the experts each sequence goes to.
         mix: "logits" mixes the experts' next-token distributions; "hidden" mixes their final
             hidden states (d_m) before the shared head.
@@ -68,6 +75,7 @@ class MoemergeConfig(PretrainedConfig):
         projector_hidden_size: int = 0,
         router: str = "learned",
         router_input: str = "mean_embedding",
+        perplexity_score: str = "inverse",
         num_experts_per_seq: int = 1,
         mix: str = "logits",
         routing_temperature: float = 1.0,
@@ -86,6 +94,7 @@ class MoemergeConfig(PretrainedConfig):
         self.projector_hidden_size = projector_hidden_size
         self.router = router
         self.router_input = router_input
+        self.perplexity_score = perplexity_score
         self.num_experts_per_seq = num_experts_per_seq
         self.mix = mix
         self.routing_temperature = routing_temperature
@@ -109,6 +118,9 @@ class MoemergeConfig(PretrainedConfig):
             problems.append(f"router: {self.router!r} is not one of {ROUTERS}")
         if self.router_input not in ROUTER_INPUTS:
             problems.append(f"router_input: {self.router_input!r} is not one of {ROUTER_INPUTS}")
+        if self.perplexity_score not in PERPLEXITY_SCORES:
+            problems.append(f"perplexity_score: {self.perplexity_score!r} is not one of "
+                            f"{PERPLEXITY_SCORES}")
         if self.mix not in MIXES:
             problems.append(f"mix: {self.mix!r} is not one of {MIXES}")
         if not 1 <= self.num_experts_per_seq <= self.num_experts:

@@ -180,7 +180,7 @@ class MoemergeForCausalLM(MoemergePreTrainedModel, GenerationMixin):
                 with torch.no_grad():  # a choice, not a function to differentiate
                     nll.append(sequence_nll(self._head(e, done[e][0]), input_ids,
                                             attention_mask))
-            scores = perplexity_scores(torch.stack(nll))
+            scores = perplexity_scores(torch.stack(nll), config.perplexity_score)
         else:
             if self._scorer is None:
                 self._scorer = TaskVectorScorer(self.base, list(self.experts),

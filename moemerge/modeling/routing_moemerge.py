@@ -9,7 +9,10 @@ Scores [B, N] that become W = softmax(top-k(scores) / temperature):
 - learned:     router logits of the mean token embedding, RMS-normalised when the config's
                router_input is "rms_mean_embedding" (softmax over the top k logits is the
                renormalised top k of the full softmax, as in Mixtral);
-- perplexity:  1 / PPL of each expert on the sequence;
+- perplexity:  log(1 / PPL) = −mean NLL of each expert on the sequence, so that W is each
+               chosen expert's 1 / PPL^(1/temperature), normalised ("log_inverse"); checkpoints
+               whose config predates `perplexity_score` score 1 / PPL itself ("inverse"), whose
+               small, close values leave a softmax near uniform;
 - task_vector: cos(−∇ base loss on the sequence, τ_e): the expert whose fine-tuning moved the
                base most in the direction that would lower its loss on this sequence.
 """
@@ -56,9 +59,9 @@ def sequence_nll(logits: torch.Tensor, input_ids: torch.Tensor,
     return (nll * scored).sum(dim=1) / scored.sum(dim=1).clamp_min(1.0)
 
 
-def perplexity_scores(nll: torch.Tensor) -> torch.Tensor:
-    """[N, B] mean NLLs -> [B, N] scores 1/PPL = exp(−NLL)."""
-    return torch.exp(-nll).T
+def perplexity_scores(nll: torch.Tensor, score: str = "log_inverse") -> torch.Tensor:
+    """[N, B] mean NLLs -> [B, N] scores: log(1/PPL) = −NLL, or 1/PPL = exp(−NLL) ("inverse")."""
+    return (torch.exp(-nll) if score == "inverse" else -nll).T
 
 
 def _dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:

@@ -51,6 +51,7 @@ def _router_job(recipe, experts: list[int], models: list[SourceModel], width: in
 
 def _settings(recipe) -> dict:
     return {"router": recipe.router.kind, "router_input": "rms_mean_embedding",
+            "perplexity_score": "log_inverse",
             "num_experts_per_seq": recipe.experts_per_sequence,
             "mix": recipe.mix, "routing_temperature": recipe.router.temperature,
             "task_vector_params": list(recipe.router.task_vector_params)}

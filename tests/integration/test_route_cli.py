@@ -69,11 +69,11 @@ CODE_PROMPT = """def _other_endian(typ):
 def test_perplexity_routing_output_is_decisive_on_the_toy_experts(tiny_toy, tmp_path):
     """recipes/toy_seq_routed.yaml on the TINY experts, perplexity router, top-2 of 3, default
     options: a multi-line code prompt is one prompt, routed to the code expert first, and the
-    table shows why. Measured (torch 2.13 CPU, transformers 5.23): weights 0.502 / 0.498 at
-    temperature 1 (1/PPL 0.016 vs 0.008 barely move a softmax), perplexities code 62.8 vs prose
-    122.4: the ppl column is decisive where the weights are not; the legend's suggested
-    temperature (0.004) gives code weight 0.9. The bound 1.5x is under the measured 1.95x; an
-    expert picked at random (or a column of equal perplexities) fails it."""
+    table shows why. Measured (torch 2.13 CPU, transformers 5.23): perplexities code 62.8 vs
+    prose 122.4, weights 0.66 / 0.34 at temperature 1: softmax of log(1/PPL) weighs each expert
+    by its 1/PPL (the oracle below; the former scores, 1/PPL itself, gave 0.502 / 0.498). The
+    legend's suggested temperature (0.3) gives code weight 0.9. The bound 1.5x is under the
+    measured 1.95x; an expert picked at random (or a column of equal perplexities) fails it."""
     recipe = yaml.safe_load((Path(__file__).parents[2] / "recipes/toy_seq_routed.yaml")
                             .read_text())
     recipe |= {"base_model": str(tiny_toy.base), "experts_per_sequence": 2,
@@ -88,12 +88,15 @@ def test_perplexity_routing_output_is_decisive_on_the_toy_experts(tiny_toy, tmp_
                                  str(tmp_path / "r.json")])
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
-    assert "weight: each expert's share of the mixed output, softmax of 1/PPL" in text
+    assert "weight: each expert's share of the mixed output, softmax of log(1/PPL)" in text
     assert "ppl: the expert's perplexity on the prompt" in text
     [prompt] = json.loads((tmp_path / "r.json").read_text())["prompts"]
     first, second = prompt["experts"]
     assert first["name"] == "code" and f"code ({first['weight']:.2f}, ppl" in text
     assert second["perplexity"] > 1.5 * first["perplexity"], prompt  # clear in the table
+    # at temperature 1 the weights are the normalised 1/PPL of the two chosen experts
+    assert first["weight"] / second["weight"] == pytest.approx(
+        second["perplexity"] / first["perplexity"], rel=1e-3)
 
     # the temperature the legend suggests makes the weights follow the perplexities
     suggested = re.search(r"--temperature (\S+) would give the median prompt's first choice "

@@ -5,7 +5,9 @@ For a sequence x of T tokens and experts e = 1..N, each expert's dense model giv
 [T, V] and final hidden states h_e [T, d]. Scores s [N]:
   learned      s = R · m / rms(m), m = mean_t emb(x_t), rms(m) = sqrt(mean_i m_i² + 1e-6)
                (s = R · m for checkpoints whose config predates `router_input`)
-  perplexity   s_e = exp(−mean_t NLL_e(x_{t+1} | x_≤t))
+  perplexity   s_e = −mean_t NLL_e(x_{t+1} | x_≤t) = log(1/PPL_e)
+               (s_e = exp(−mean NLL) = 1/PPL_e for checkpoints whose config predates
+               `perplexity_score`)
   task_vector  s_e = cos(−∇_θ L_base(x), τ_e), τ_e = θ_e − θ_base over the selected parameters
 Weights w = softmax(top-k(s) / temperature) on the k best experts. Output: z_e when k = 1;
 log Σ_e w_e softmax(z_e) (mix logits); Σ_e w_e h_e through the shared head (mix hidden).
@@ -57,19 +59,21 @@ def mix(weights: dict, logits: dict, hidden: dict, how: str, shared_head) -> tor
 
 
 def scores_of(router, ids, mean_embed, logits, *, router_weight=None, base=None, experts=None,
-              router_input="rms_mean_embedding"):
+              router_input="rms_mean_embedding", perplexity_score="log_inverse"):
     if router == "learned":
         if router_input == "rms_mean_embedding":
             mean_embed = mean_embed / torch.sqrt((mean_embed ** 2).mean() + 1e-6)
         return router_weight @ mean_embed
     if router == "perplexity":
-        return torch.stack([torch.exp(-mean_nll(z, ids)) for z in logits])
+        nll = torch.stack([mean_nll(z, ids) for z in logits])
+        return torch.exp(-nll) if perplexity_score == "inverse" else -nll
     return task_vector_scores(base, experts, ids)
 
 
 def seq_routed(ids: torch.Tensor, experts: list, *, router: str, k: int, temperature: float,
                how: str, shared: bool, router_weight=None, base=None,
-               router_input="rms_mean_embedding") -> torch.Tensor:
+               router_input="rms_mean_embedding", perplexity_score="log_inverse"
+               ) -> torch.Tensor:
     """ids [B, T] -> logits [B, T, V]. `shared`: one embedding and head, the plain average of
     the experts' (a tied expert's head is its embedding); else each expert keeps its own."""
     embeds = [embedding(m) for m in experts]
@@ -84,7 +88,8 @@ def seq_routed(ids: torch.Tensor, experts: list, *, router: str, k: int, tempera
         mean_embed = torch.stack([E[x] for E in embeds]).mean(0).mean(0)  # over experts, tokens
         with torch.enable_grad():
             s = scores_of(router, x, mean_embed, logits, router_weight=router_weight, base=base,
-                          experts=experts, router_input=router_input)
+                          experts=experts, router_input=router_input,
+                          perplexity_score=perplexity_score)
         rows.append(mix(routing_weights(s, k, temperature), dict(enumerate(logits)),
                         dict(enumerate(hidden)), how, heads[0]))
     return torch.stack(rows)

@@ -19,7 +19,7 @@ from reference.sequence import mean_nll, routing_weights
 from reference.test_seq_routed import shipped_logits
 
 TOLERANCE = 1e-5
-TEMPERATURE = 0.02  # 1/PPL of perturbed copies differ by ~1e-3: make the weights non-trivial
+TEMPERATURE = 0.5  # top-2 weights of log(1/PPL) scores: far from 0 / 1 and from uniform
 SHAPES = {"gemma-2-2b-it": {"sliding_window": 4},
           "gemma-3-1b-pt": {"sliding_window": 4, "sliding_window_pattern": 2},
           "phi-3-mini-4k-instruct": {"sliding_window": 4}}
@@ -60,7 +60,7 @@ def reference(dirs: list, how: str) -> torch.Tensor:
             hidden.append(out.hidden_states[-1])  # after the final norm
     rows = []
     for b, x in enumerate(IDS):
-        scores = torch.stack([torch.exp(-mean_nll(z[b], x)) for z in logits])
+        scores = torch.stack([-mean_nll(z[b], x) for z in logits])  # log(1/PPL)
         weights = routing_weights(scores, 2, TEMPERATURE)
         if how == "hidden":
             mixed = sum(w * hidden[e][b] for e, w in weights.items())

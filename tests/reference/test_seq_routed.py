@@ -1,6 +1,8 @@
 """seq_routed as shipped (trust_remote_code) against the plain reference, on distinct experts:
 perturbed copies of a base (4 experts) and the TINY experts branched by training (3)."""
 
+import json
+
 import pytest
 import torch
 from conftest import perturbed_copy, write_recipe
@@ -17,10 +19,8 @@ CASES = [  # router, k, temperature, mix, per-expert embed/head
     ("learned", 2, 0.5, "logits", True),
     ("learned", 3, 2.0, "hidden", False),
     ("perplexity", 1, 1.0, "logits", True),
-    # 1/PPL scores differ by ~1e-3 between the TINY experts: a low temperature makes the
-    # weights non-trivial (at 1 they are near-uniform)
-    ("perplexity", 2, 0.005, "logits", False),
-    ("perplexity", 3, 0.01, "logits", True),
+    ("perplexity", 2, 0.5, "logits", False),
+    ("perplexity", 3, 0.3, "logits", True),
     ("task_vector", 2, 0.7, "hidden", False),
     ("task_vector", 3, 1.5, "logits", True),
 ]
@@ -94,29 +94,32 @@ def test_the_comparison_can_fail(case, sources, tmp_path, record):
         assert record((ours - theirs).abs().max(), what) > 100 * TOLERANCE, wrong
 
 
-def test_a_config_without_router_input_computes_as_before(sources, tmp_path, record):
-    """A checkpoint written before `router_input` existed (its config lacks the key) keeps the
-    unnormalised mean embedding; one written now normalises it. Each equals its reference and
-    not the other's: the router input reaches the logits."""
-    import json
-
+@pytest.mark.parametrize("key, case, written, before", [
+    ("router_input", CASES[1], "rms_mean_embedding", "mean_embedding"),
+    ("perplexity_score", CASES[4], "log_inverse", "inverse"),
+])
+def test_a_config_without_a_newer_key_computes_as_before(key, case, written, before, sources,
+                                                          tmp_path, record):
+    """A checkpoint written before `key` existed (its config lacks it) computes as it did then:
+    the learned router reads the unnormalised mean embedding, perplexity routing scores 1/PPL
+    itself; one written now has `written` (the RMS-normalised mean; log(1/PPL)). Each equals its
+    reference and not the other's: the setting reaches the logits (top-2 at temperature 0.5)."""
     base, dirs, ids = sources["tiny"]
-    case = CASES[1]
     out = build_case(tmp_path, base, dirs, *case)
-    assert json.loads((out / "config.json").read_text())["router_input"] == "rms_mean_embedding"
-    new = shipped_logits(out, ids)
     config = json.loads((out / "config.json").read_text())
-    del config["router_input"]
+    assert config.pop(key) == written
+    new = shipped_logits(out, ids)
     (out / "config.json").write_text(json.dumps(config))
     old = shipped_logits(out, ids)
 
-    def reference(router_input):
+    def reference(value):
+        router, k, temperature, how, per_expert = case
         with torch.no_grad():
-            return seq_routed(ids, [dense(e) for e in dirs], router="learned", k=case[1],
-                              temperature=case[2], how=case[3], shared=not case[4],
-                              router_weight=output_tensors(out)["router.weight"],
-                              router_input=router_input)
+            return seq_routed(ids, [dense(e) for e in dirs], router=router, k=k,
+                              temperature=temperature, how=how, shared=not per_expert,
+                              router_weight=output_tensors(out).get("router.weight"),
+                              **{key: value})
 
-    assert record((old - reference("mean_embedding")).abs().max(), "old config") <= TOLERANCE
-    assert record((new - reference("rms_mean_embedding")).abs().max()) <= TOLERANCE
+    assert record((old - reference(before)).abs().max(), "old config") <= TOLERANCE
+    assert record((new - reference(written)).abs().max()) <= TOLERANCE
     assert record((old - new).abs().max(), "old vs new") > 100 * TOLERANCE
