@@ -27,7 +27,7 @@ from moemerge.io.atomic import (
     sweep_output,
 )
 from moemerge.io.paths import check_output_apart, working_directory
-from moemerge.io.writer import ShardedWriter, parse_size
+from moemerge.io.writer import ShardedWriter, overwrite_tensors, parse_size
 from moemerge.loading import load_causal_lm
 from moemerge.merge.primitives import count_non_finite
 from moemerge.plan.build import plan_merge, plan_token_routed
@@ -226,21 +226,20 @@ def build(
                 warn(message)
             return tensor
 
-        def write(dest: Path, recipe: AnyRecipe, plan: Plan, recipe_text: str,
-                  routers: dict | None = None) -> None:
-            """`routers`: {output name: tensor} replacing what the plan makes (calibrate)."""
+        def check_finite(name: str, tensor) -> None:
+            if not allow_non_finite and (bad := count_non_finite(tensor)):
+                raise OutputError(
+                    f"output check failed: tensor {name!r} would hold {bad} NaN/Inf values "
+                    "(from non-finite inputs or merge settings); nothing was written. Pass "
+                    "--allow-non-finite to write it anyway.")
+
+        def write(dest: Path, recipe: AnyRecipe, plan: Plan, recipe_text: str) -> None:
             planned = [(j.output, j.dtype, tuple(j.shape)) for j in plan.jobs]
             with ShardedWriter(dest, planned, max_shard_bytes=max_shard) as writer:
                 jobs = run_jobs(plan, load, make_router, recipe.seed, lookahead=lookahead,
                                 workers=workers, device=device)
                 for job, tensor in _with_progress(jobs, plan, progress):
-                    if routers and job.output in routers:
-                        tensor = routers[job.output].to(job.dtype)
-                    if not allow_non_finite and (bad := count_non_finite(tensor)):
-                        raise OutputError(
-                            f"output check failed: tensor {job.output!r} would hold {bad} "
-                            "NaN/Inf values (from non-finite inputs or merge settings); nothing "
-                            "was written. Pass --allow-non-finite to write it anyway.")
+                    check_finite(job.output, tensor)
                     writer.write(job.output, tensor)
             (dest / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
             copy_side_files(_tokenizer_source(recipe, models).path, dest, SIDE_FILES)
@@ -265,8 +264,8 @@ def build(
         make_router = (None if isinstance(recipe, MergeRecipe | MergedExpertsRecipe)
                        else _router_maker(recipe, models))
         tuning = None
-        # tuning and calibrating write a draft first: an untuned / uncalibrated copy
-        size = plan.total_bytes * (2 if tune is not None or calibration is not None else 1)
+        # tuning writes a draft first: an untuned copy
+        size = plan.total_bytes * (2 if tune is not None else 1)
         with atomic_output_dir(out, force=force, size=size) as tmp:
             if tune is not None:
                 untuned = tmp / "untuned"
@@ -281,14 +280,12 @@ def build(
                 recipe = parse_recipe(yaml.safe_load(recipe_text), str(recipe_path))
                 plan = make_plan(recipe, models)
                 (tmp / TUNING_FILE).write_text(tuning_json(tuning, tune))
-            routers = None
-            if calibration is not None:
-                draft = tmp / "uncalibrated"
-                draft.mkdir()
-                write(draft, recipe, plan, recipe_text)
-                routers = calibrated_routers(recipe, plan, draft, calibration)
-                shutil.rmtree(draft)
-            write(tmp, recipe, plan, recipe_text, routers)
+            write(tmp, recipe, plan, recipe_text)
+            if calibration is not None:  # fitted on the model just written (routers: placeholders)
+                routers = calibrated_routers(recipe, plan, tmp, calibration)
+                for name, router in routers.items():
+                    check_finite(name, router)
+                overwrite_tensors(tmp, routers)
             full = verify == "full" or (verify == "auto" and plan.total_bytes <= FULL_LOAD_LIMIT)
             if full:
                 check_loads(tmp)

@@ -6,9 +6,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from moemerge.errors import CheckpointError
+from moemerge.errors import CheckpointError, RecipeError
+from moemerge.io.atomic import RECIPE_COPY
 from moemerge.io.reader import check_model_dir_confined
 from moemerge.modeling import register
+from moemerge.recipe.load import safe_yaml
 
 
 @contextmanager
@@ -61,3 +63,14 @@ def load_causal_lm(path, *, what: str = "a causal LM", trust_remote_code: bool =
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"cannot load {what} and its tokenizer from {path}: {exc}") from None
     return model, tokenizer
+
+
+def read_recipe_copy(model_dir: Path | str) -> dict:
+    """The recipe `build` copied into `model_dir` (kept through `finetune`), as a mapping; {}
+    when there is none, or it is not YAML of a mapping: what callers read from it (expert
+    names, the recipe's kind) only names or defaults things."""
+    try:
+        recipe = safe_yaml((Path(model_dir) / RECIPE_COPY).read_text(), RECIPE_COPY)
+    except (OSError, UnicodeDecodeError, RecipeError):
+        return {}
+    return recipe if isinstance(recipe, dict) else {}

@@ -11,6 +11,11 @@ or (logits, scores, indices) (transformers 5). The forward passes are those of
 moemerge's sequence-routed kinds (seq_routed, bridged) route each window as a whole: the report
 has one row ("sequence" level) counting, per expert, the windows among whose top k it is, read
 from the model output's routing_weights [B, N].
+
+A merged-experts model (SMEAR / CAMEx) sends no token anywhere: every token's FFN mixes every
+expert with its routing scores s [N] (softmax over the experts, summing to 1). Its report
+("weight" level) gives, per layer, each expert's mean score over the domain's tokens: a layer's
+shares again sum to 1, and routing that ignores the domain gives 1/E each.
 """
 
 from __future__ import annotations
@@ -25,11 +30,9 @@ import torch
 from moemerge.data import domain_texts
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.eval.perplexity import perplexity, window_counts
-from moemerge.io.atomic import RECIPE_COPY
 from moemerge.io.reader import read_config
-from moemerge.loading import load_causal_lm, load_pretrained
+from moemerge.loading import load_causal_lm, load_pretrained, read_recipe_copy
 from moemerge.modeling import is_merged_experts, is_sequence_routed
-from moemerge.recipe.load import safe_yaml
 from moemerge.routing.modules import find_routers
 
 SCHEMA = "moemerge.routing/1"  # bump when a key changes meaning or disappears (docs/inspect.md)
@@ -39,7 +42,7 @@ SCHEMA = "moemerge.routing/1"  # bump when a key changes meaning or disappears (
 class DomainRouting:
     tokens: int  # units routed: token positions (per layer), or windows at sequence level
     perplexity: float
-    share: list[list[float]]  # [layer][expert]: fraction of the layer's token slots
+    share: list[list[float]]  # [layer][expert]: fraction of the layer's slots (or score mass)
 
     @property
     def mean_share(self) -> list[float]:
@@ -54,7 +57,9 @@ class RoutingReport:
     labels: list[str]  # one per expert, in the checkpoint's expert order
     layers: list[int]  # indices of the layers that have a router
     domains: dict[str, DomainRouting] = field(default_factory=dict)
-    level: str = "token"  # "sequence" for seq_routed / bridged: one row, slots per window
+    # "token"; "sequence" for seq_routed / bridged (one row, slots per window); "weight" for
+    # merged_experts (mean routing score per token; experts_per_token is then every expert)
+    level: str = "token"
     # the perplexity windows: {"seq_len": ..., "max_tokens": ..., "count": {domain: windows}}
     windows: dict = field(default_factory=dict)
 
@@ -74,14 +79,20 @@ class RoutingReport:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
 
+def routing_level(config) -> str:
+    """The report's level for an MoE config: "token", "sequence" or "weight" (module docstring)."""
+    if is_sequence_routed(config):
+        return "sequence"
+    return "weight" if is_merged_experts(config) else "token"
+
+
 def moe_shape(config, where: str) -> tuple[int, int]:
-    """(num_experts, experts per token or per sequence) of an MoE config; CheckpointError for
-    a dense one."""
+    """(num_experts, experts per token or per sequence; every expert for merged_experts) of an
+    MoE config; CheckpointError for a dense one."""
     if is_sequence_routed(config):
         return len(config.experts), int(config.num_experts_per_seq)
     if is_merged_experts(config):
-        raise CheckpointError(f"{where}: a merged-experts model weighs every expert in every "
-                              "segment; it has no top-k routing shares to report")
+        return int(config.num_experts), int(config.num_experts)
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     k = getattr(config, "num_experts_per_tok", None)
     if not experts or not k:
@@ -101,54 +112,81 @@ def routing_report(
     *,
     seq_len: int = 256,
     max_tokens: int | None = 20000,
+    prompt_tokens: int = 0,
     labels: list[str] | None = None,
     name: str = "",
 ) -> RoutingReport:
     """Route each domain's text (its first `max_tokens` tokens, in windows of `seq_len`)
     through an already-loaded MoE; shares per (domain, layer, expert) and perplexity.
-    `labels` name the experts (numbered when absent or of the wrong length)."""
+    `prompt_tokens` reads each window as `perplexity` does (a prompt, then the rest through
+    the KV cache). `labels` name the experts (numbered when absent or of the wrong length)."""
     num_experts, k = moe_shape(model.config, name or type(model).__name__)
-    sequence = is_sequence_routed(model.config)
-    routers = [(0, model)] if sequence else find_routers(model, num_experts)
+    level = routing_level(model.config)
+    routers = {"sequence": lambda: [(0, model)], "weight": lambda: list(enumerate(model.mlps())),
+               "token": lambda: find_routers(model, num_experts)}[level]()
     if not routers:
         raise CheckpointError(f"{name or type(model).__name__}: not an MoE (no router modules "
                               f"with {num_experts} outputs found)")
     if labels is None or len(labels) != num_experts:
         labels = [f"expert {e}" for e in range(num_experts)]
-    counts = torch.zeros(len(routers), num_experts, dtype=torch.long)  # [layer, expert] slots
+    counts = torch.zeros(len(routers), num_experts, dtype=torch.float64)  # [layer, expert] slots
 
     def hook(row: int):
-        def record(module, args, output) -> None:
-            if sequence:  # the experts with weight in each window's routing: [B, N]
-                counts[row] += (output.routing_weights > 0).sum(0).cpu()
+        def record(module, args, kwargs, output) -> None:
+            if level == "sequence":  # the experts with weight in each window's routing: [B, N]
+                if kwargs.get("past_key_values") is None:  # after a prompt: its routing, kept
+                    counts[row] += (output.routing_weights > 0).sum(0).cpu()
                 return
             logits = output[0] if isinstance(output, tuple) else output  # [..., experts]
             chosen = logits.reshape(-1, num_experts).topk(k, dim=-1).indices  # [tokens, k]
             counts[row] += torch.bincount(chosen.flatten().cpu(), minlength=num_experts)
         return record
 
-    report = RoutingReport(name, k, list(labels), [layer for layer, _ in routers],
-                           level="sequence" if sequence else "token",
+    report = RoutingReport(name, k, list(labels), [layer for layer, _ in routers], level=level,
                            windows={"seq_len": seq_len, "max_tokens": max_tokens, "count": {}})
-    handles = [m.register_forward_hook(hook(row)) for row, (_, m) in enumerate(routers)]
+    if level == "weight":
+        restore = [_record_scores(mlp, counts[row]) for row, mlp in routers]
+    else:
+        handles = [m.register_forward_hook(hook(row), with_kwargs=True)
+                   for row, (_, m) in enumerate(routers)]
+        restore = [handle.remove for handle in handles]
     was_training = model.training
+    per_unit = 1 if level == "weight" else k  # slots a token (or window) fills
     try:
         for domain, text in texts.items():
             counts.zero_()
             try:
-                ppl = perplexity(model, tokenizer, text, seq_len=seq_len, max_tokens=max_tokens)
-            except ValueError:
-                raise RecipeError(f"domain {domain!r}: its text has fewer than 2 tokens") from None
+                ppl = perplexity(model, tokenizer, text, seq_len=seq_len, max_tokens=max_tokens,
+                                 prompt_tokens=prompt_tokens)
+            except ValueError as exc:
+                raise RecipeError(f"domain {domain!r}: its text is too short ({exc})") from None
             slots = counts.sum(dim=1, keepdim=True)  # [layer, 1] = tokens * k
-            share = (counts.double() / slots).tolist()
-            report.domains[domain] = DomainRouting(int(slots[0, 0]) // k, ppl, share)
+            share = (counts / slots).tolist()
+            report.domains[domain] = DomainRouting(round(float(slots[0, 0])) // per_unit, ppl,
+                                                   share)
             report.windows["count"] |= window_counts(tokenizer, {domain: text}, seq_len=seq_len,
-                                                     max_tokens=max_tokens)
+                                                     max_tokens=max_tokens,
+                                                     prompt_tokens=prompt_tokens)
     finally:
-        for handle in handles:
-            handle.remove()
+        for undo in restore:
+            undo()
         model.train(was_training)  # perplexity() switched to eval; a trainer may want it back
     return report
+
+
+def _record_scores(mlp, total: torch.Tensor):
+    """Add each forward's routing scores [B, T, N], summed over tokens, to `total` [N]; returns
+    the function that undoes it. (The scores are computed inside the merged MLP's forward, so
+    its `scores` method is wrapped on the instance rather than hooked.)"""
+    original = mlp.scores
+
+    def scores(h: torch.Tensor) -> torch.Tensor:
+        s = original(h)
+        total.add_(s.detach().sum(dim=(0, 1)).double().cpu())
+        return s
+
+    mlp.scores = scores
+    return lambda: delattr(mlp, "scores")
 
 
 def expert_labels(model_dir: Path, num_experts: int) -> list[str]:
@@ -159,19 +197,19 @@ def expert_labels(model_dir: Path, num_experts: int) -> list[str]:
         config = read_config(model_dir)
     except CheckpointError:
         config = {}  # labels are a nicety: numbered experts will do
-    if is_sequence_routed(config) and len(config.get("expert_names") or []) == num_experts:
+    named = is_sequence_routed(config) or is_merged_experts(config)
+    if named and len(config.get("expert_names") or []) == num_experts:
         return list(config["expert_names"])
+    recipe = read_recipe_copy(model_dir)
     try:
-        recipe = safe_yaml((model_dir / RECIPE_COPY).read_text(), RECIPE_COPY)
-        experts = recipe["experts"]
         labels: list[str] = []
-        for ref in experts:
+        for ref in recipe["experts"]:
             ref = {"model": ref} if isinstance(ref, str) else ref
             label = ref.get("name") or Path(str(ref["model"]).rstrip("/")).name
             labels.append(label if label not in {"base", *labels} else f"{label}#{len(labels)+1}")
         if recipe.get("include_base_expert"):
             labels.append("base")
-    except (OSError, UnicodeDecodeError, RecipeError, KeyError, TypeError, AttributeError):
+    except (KeyError, TypeError, AttributeError):
         return default  # no recipe copy (or not one of ours): numbered experts
     return labels if len(labels) == num_experts else default
 

@@ -17,19 +17,29 @@ def _shares(values: list[float]) -> list[str]:
     return [f"[bold]{v:.1%}[/]" if v == top else f"{v:.1%}" for v in values]
 
 
+def _measure(report: RoutingReport) -> str:
+    """What a share is: of top-k slots, or (merged experts) of the routing weight."""
+    return "mean routing weight" if report.level == "weight" else f"share of {report.level} slots"
+
+
 def _title(report: RoutingReport, what: str) -> str:
     n = len(report.labels)
-    return (f"routing: share of {report.level} slots per expert{what} (top-"
-            f"{report.experts_per_token} of {n}; uniform = {1 / n:.1%})")
+    used = ("every token mixes all" if report.level == "weight"
+            else f"top-{report.experts_per_token}")
+    return f"routing: {_measure(report)} per expert{what} ({used} of {n}; uniform = {1 / n:.1%})"
+
+
+def _layered(report: RoutingReport) -> bool:
+    return report.level != "sequence"  # token and weight levels have a row per layer
 
 
 def _units(report: RoutingReport) -> str:
-    return "tokens" if report.level == "token" else "sequences"
+    return "sequences" if report.level == "sequence" else "tokens"
 
 
 def summary_table(report: RoutingReport) -> Table:
     """Rows = domains; columns = each expert's share averaged over layers, tokens, perplexity."""
-    over = f", mean over {len(report.layers)} layers" if report.level == "token" else ""
+    over = f", mean over {len(report.layers)} layers" if _layered(report) else ""
     table = Table(title=_title(report, over), title_justify="left")
     table.add_column("domain")
     for label in report.labels:
@@ -77,8 +87,8 @@ def plot(report: RoutingReport, path: Path) -> None:
     bars.axhline(1 / n, color="grey", linestyle="--", linewidth=0.8)
     bars.set_xticks(range(n), labels, rotation=45, ha="right", fontsize=7)
     bars.set_xlabel("expert", fontsize=8)
-    bars.set_ylabel(f"share of {report.level} slots"
-                    + (" (mean over layers)" if report.level == "token" else ""), fontsize=8)
+    bars.set_ylabel(_measure(report) + (" (mean over layers)" if _layered(report) else ""),
+                    fontsize=8)
     bars.legend(fontsize=7, title="domain", title_fontsize=7)
     image = None
     for ax, name in zip(axes[1:], domains, strict=True):
@@ -86,7 +96,7 @@ def plot(report: RoutingReport, path: Path) -> None:
         image = ax.imshow(grid, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
         ax.set_title(name, fontsize=8)
         ax.set_xticks(range(n), labels, rotation=45, ha="right", fontsize=7)
-        rows = [str(layer) for layer in layers] if report.level == "token" else ["sequence"]
+        rows = [str(layer) for layer in layers] if _layered(report) else ["sequence"]
         ax.set_yticks(range(len(layers)), rows, fontsize=7)
         if len(layers) * n <= 150:  # annotate only while the numbers stay legible
             for y, row in enumerate(grid):
@@ -94,9 +104,8 @@ def plot(report: RoutingReport, path: Path) -> None:
                     ax.text(x, y, f"{value:.0%}", ha="center", va="center", fontsize=6,
                             color="black" if value > 0.6 else "white")
     if domains:
-        axes[1].set_ylabel("layer" if report.level == "token" else "", fontsize=8)
-        fig.colorbar(image, ax=list(axes[1:]), label=f"share of {report.level} slots",
-                     shrink=0.9)
-    fig.suptitle(f"routing of {report.model} (top-{report.experts_per_token} of {n})",
+        axes[1].set_ylabel("layer" if _layered(report) else "", fontsize=8)
+        fig.colorbar(image, ax=list(axes[1:]), label=_measure(report), shrink=0.9)
+    fig.suptitle(_title(report, "").removeprefix("routing: ") + f" — {report.model}",
                  fontsize=8)
     fig.savefig(path, dpi=120)

@@ -22,7 +22,7 @@ import torch
 
 from moemerge.errors import OutputError
 from moemerge.io.atomic import NO_SPACE, NoSpaceLeft
-from moemerge.io.reader import DTYPES, SAFETENSORS_INDEX
+from moemerge.io.reader import DTYPES, SAFETENSORS_INDEX, read_safetensors_header
 
 Planned = tuple[str, torch.dtype, tuple[int, ...]]
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -152,10 +152,8 @@ class ShardedWriter:
             raise OutputError(f"tensor {name!r}: planned {dtype} {list(shape)}, got "
                               f"{tensor.dtype} {list(tensor.shape)}")
         shard, offset = self._where[name]
-        # [numel] -> [numel · itemsize] raw bytes; works for bf16 / fp8, which numpy lacks
-        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
         try:
-            _pwrite_all(self._fds[shard], memoryview(data), offset)
+            _pwrite_all(self._fds[shard], _raw_bytes(tensor), offset)
         except OSError as exc:
             if exc.errno not in NO_SPACE:
                 raise OutputError(f"cannot write {self._files[shard]}: {exc.strerror}") from None
@@ -204,6 +202,38 @@ class ShardedWriter:
             self.close()
         else:  # the build failed: keep its error, not a "tensors missing" one
             self._release()
+
+
+def overwrite_tensors(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Replace tensors of the .safetensors files in `directory` in place, each by one of its
+    shape (cast to its dtype): only their bytes change, at their offsets. `build` fits
+    calibrated routers on the model it has just written and patches them in, rather than
+    writing the whole model twice."""
+    metas = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        metas |= read_safetensors_header(file)
+    for name, tensor in tensors.items():
+        if name not in metas:
+            raise OutputError(f"tensor {name!r} is not in {directory}")
+        if tuple(tensor.shape) != metas[name].shape:
+            raise OutputError(f"tensor {name!r}: {directory} holds {list(metas[name].shape)}, "
+                              f"got {list(tensor.shape)}")
+    for file in {metas[name].file for name in tensors}:
+        fd = os.open(file, os.O_WRONLY)
+        try:
+            for name, tensor in tensors.items():
+                if metas[name].file == file:
+                    _pwrite_all(fd, _raw_bytes(tensor.to(metas[name].dtype)), metas[name].offset)
+            os.fsync(fd)
+        except OSError as exc:
+            raise OutputError(f"cannot write {file}: {exc.strerror}") from None
+        finally:
+            os.close(fd)
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """[numel] -> [numel · itemsize] raw bytes; works for bf16 / fp8, which numpy lacks."""
+    return memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:

@@ -37,7 +37,7 @@ class RouterFactory:
 
     def make(self, job: Job, load: Load) -> torch.Tensor:
         init = self.recipe.router.init
-        if init in ("random", "calibrate"):  # calibrate: a placeholder, replaced after a draft
+        if init in ("random", "calibrate"):  # calibrate: a placeholder, overwritten once fitted
             return random_router(job.shape, self.std, self.recipe.seed, job.output)
         if init == "task_vector":
             return task_vector_router(load(job.base), [load(s) for s in job.sources])

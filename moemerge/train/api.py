@@ -230,8 +230,6 @@ def _reports(tmp: Path, cfg: TrainConfig, result: FinetuneResult, blocks: Blocks
     write_json(where / "summary.json", {"steps": result.steps, "trained": result.trained,
                                         "before": result.before, "after": result.after})
     config = result.model.config
-    if is_merged_experts(config):
-        return  # merged experts weigh every expert per segment: no top-k shares to report
     from moemerge.analysis.routing import expert_labels, routing_report
     from moemerge.analysis.routing_render import plot, summary_table
 

@@ -19,9 +19,7 @@ from pathlib import Path
 
 import torch
 
-from moemerge.errors import RecipeError
-from moemerge.io.atomic import RECIPE_COPY
-from moemerge.recipe.load import safe_yaml
+from moemerge.loading import read_recipe_copy
 
 UPCYCLE_BALANCE = 0.04  # coefficient × top-k: Drop-Upcycling's 0.02 at top-2
 
@@ -29,11 +27,7 @@ UPCYCLE_BALANCE = 0.04  # coefficient × top-k: Drop-Upcycling's 0.02 at top-2
 def is_upcycled(model_dir: Path) -> bool:
     """Whether `moemerge build` made `model_dir` from a `kind: upcycle` recipe (its recipe copy,
     kept through finetune, says so)."""
-    try:
-        recipe = safe_yaml((Path(model_dir) / RECIPE_COPY).read_text(), RECIPE_COPY)
-    except (OSError, UnicodeDecodeError, RecipeError):
-        return False
-    return isinstance(recipe, dict) and recipe.get("kind") == "upcycle"
+    return read_recipe_copy(model_dir).get("kind") == "upcycle"
 
 
 def default_aux_loss_coef(model: torch.nn.Module, model_dir: Path, parts: list[str]) -> float:

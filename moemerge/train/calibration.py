@@ -5,8 +5,8 @@ into windows of `seq_len` + 1 tokens, at most `max_tokens` tokens per domain (wi
 spread over the domain's text).
 Targets: a one-hot of each window's expert when every domain is named after an expert, or,
 for one mixed text, the softmax over experts of each expert's negative next-token loss (each
-dense expert is run once). The routers themselves are fitted by routing/calibrate.py on a
-draft of the built model.
+dense expert is run once). The routers themselves are fitted by routing/calibrate.py on the
+built model (written with placeholder routers, which `build` then overwrites in place).
 """
 
 from __future__ import annotations
@@ -89,11 +89,11 @@ def _fp32_model(path: Path):
     return load_pretrained("AutoModelForCausalLM", path, dtype=torch.float32).eval()
 
 
-def calibrated_routers(recipe, plan: Plan, draft: Path, cal: Calibration
+def calibrated_routers(recipe, plan: Plan, built: Path, cal: Calibration
                        ) -> dict[str, torch.Tensor]:
-    """{output tensor name: router} fitted on the draft build at `draft` (its routers are
+    """{output tensor name: router} fitted on the model built at `built` (its routers are
     placeholders)."""
-    model = _fp32_model(draft)
+    model = _fp32_model(built)
     assembly = getattr(recipe, "assembly", "token_routed")
     if assembly in ("seq_routed", "bridged"):
         by_layer = {None: calibrate_sequence_router(model, cal)}

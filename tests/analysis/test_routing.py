@@ -9,10 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import TEXT, write_recipe
+from conftest import TEXT, perturbed_copy, write_recipe
 from typer.testing import CliRunner
 
-from moemerge.analysis.routing import load_moe, routing_report, routing_report_from_dir
+from moemerge.analysis.routing import (
+    expert_labels,
+    load_moe,
+    routing_report,
+    routing_report_from_dir,
+)
 from moemerge.api import build
 from moemerge.cli import app
 from moemerge.data import domain_texts
@@ -94,6 +99,63 @@ def test_shares_match_top_k_of_the_captured_router_inputs(moe):
         assert sum(result.mean_share) == pytest.approx(1.0)
         offset += routed
     assert report.domains["math"].perplexity > 1.0
+
+
+def reference_scores(h: torch.Tensor, router: torch.Tensor, size: int) -> torch.Tensor:
+    """Merged-experts routing written plainly, one token at a time: h [T, H], router [N, H] ->
+    scores [T, N]. Token t of segment 0 routes on the mean of tokens 0..t; a token of segment
+    k >= 1 on the mean of segment k - 1 (modeling_merged_moemerge's docstring)."""
+    rows = []
+    for t in range(len(h)):
+        k = t // size
+        routed_on = h[: t + 1] if k == 0 else h[(k - 1) * size: k * size]
+        rows.append(torch.softmax(router @ routed_on.mean(0), -1))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("prompt", [0, 12])
+def test_merged_experts_report_mean_routing_weights(model_factory, tmp_path, prompt):
+    """Level "weight": each layer's share is the experts' mean routing score over the domain's
+    tokens, checked against `reference_scores` on the captured MLP inputs, with distinct
+    experts and a random router; with the prompt read first and the rest through the cache
+    (the merged cache carries the segment sums). Routing on each segment's own mean instead
+    (not causal) is off by more than the tolerance: the check can fail."""
+    base = model_factory("llama")
+    experts = [perturbed_copy(base, tmp_path / d, scale=0.05, seed=i)
+               for i, d in enumerate(("code", "math", "prose"))]
+    listed = "\n".join(f"  - {{model: {e}, name: {e.name}}}" for e in experts)
+    recipe = write_recipe(tmp_path / "m.yaml", f"kind: moe\nassembly: merged_experts\n"
+                          f"base_model: {base}\nexperts:\n{listed}\nsegment_length: 5\nseed: 1\n")
+    build(recipe, tmp_path / "merged", progress=False)
+    model, tokenizer = load_moe(tmp_path / "merged")
+    with torch.no_grad():  # a router that separates the experts clearly, different per layer
+        for mlp in model.mlps():
+            mlp.router.weight.normal_(0.0, 2.0)
+    inputs: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    handles = [mlp.register_forward_pre_hook(
+        lambda m, args, i=i: inputs[i].append(args[0].detach())) for i, mlp in
+        enumerate(model.mlps())]
+    report = routing_report(model, tokenizer, {"code": TEXT * 6}, seq_len=32, max_tokens=200,
+                            prompt_tokens=prompt, labels=expert_labels(tmp_path / "merged", 3))
+    for handle in handles:
+        handle.remove()
+    assert report.level == "weight" and report.labels == ["code", "math", "prose"]
+    assert report.experts_per_token == 3
+    for layer, mlp in enumerate(model.mlps()):
+        h = inputs[layer]  # per window: [B, T, H], or its prompt then its rest
+        windows = [torch.cat(h[i: i + 2], 1) for i in range(0, len(h), 2)] if prompt else h
+        expected, wrong = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+        for batch in windows:
+            for seq in batch:  # [T, H]
+                expected += reference_scores(seq, mlp.router.weight, 5).sum(0).double()
+                own = [seq[(t // 5) * 5: (t // 5 + 1) * 5].mean(0) for t in range(len(seq))]
+                wrong += torch.softmax(torch.stack(own) @ mlp.router.weight.T, -1).sum(0).double()
+        share = report.domains["code"].share[layer]
+        assert share == pytest.approx((expected / expected.sum()).tolist(), abs=1e-5)
+        assert share != pytest.approx((wrong / wrong.sum()).tolist(), abs=1e-3)
+        assert max(share) > 0.4  # the router is decisive: not the uniform 1/3
+    # every token position of every window, prompt and rest alike
+    assert report.domains["code"].tokens == sum(x.shape[0] * x.shape[1] for x in inputs[0])
 
 
 def test_toy_experts_get_their_own_domain(tmp_path_factory, tiny_toy):

@@ -9,7 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moemerge.errors import OutputError
-from moemerge.io.writer import ShardedWriter, parse_size
+from moemerge.io.writer import ShardedWriter, overwrite_tensors, parse_size
 
 torch.set_num_threads(1)
 TENSORS = {
@@ -66,6 +66,34 @@ def test_shards_with_an_index(tmp_path):
         with safe_open(tmp_path / file, "pt") as f:
             assert f.metadata() == {"format": "pt", "source": "test"}
             assert torch.equal(f.get_tensor(name), tensors[name])
+
+
+def test_overwrite_tensors_in_place(tmp_path):
+    """Across shards: the replaced tensors read back (cast to the file's dtype) and every other
+    byte of every file is unchanged, so the result is what writing them in the first place
+    gives; an unknown name or another shape is refused before any byte changes."""
+    tensors = {f"t{i}": torch.full((100,), float(i)) for i in range(4)}
+    tensors["router"] = torch.zeros(4, 8).bfloat16()
+    new = {"t1": torch.arange(100.0), "router": torch.randn(4, 8, dtype=torch.float64)}
+    for directory, values in (("patched", tensors), ("direct", tensors | {
+            "t1": new["t1"], "router": new["router"].bfloat16()})):
+        (tmp_path / directory).mkdir()
+        with ShardedWriter(tmp_path / directory, planned(tensors), max_shard_bytes=1000) as w:
+            for name, tensor in values.items():
+                w.write(name, tensor)
+    overwrite_tensors(tmp_path / "patched", new)
+    files = sorted(p.name for p in (tmp_path / "direct").iterdir())
+    assert len(files) == 3  # two shards (t1 in the first, the router in the second), the index
+    for name in files:
+        patched, direct = (tmp_path / d / name for d in ("patched", "direct"))
+        assert patched.read_bytes() == direct.read_bytes()
+    before = {p.name: p.read_bytes() for p in (tmp_path / "patched").iterdir()}
+    with pytest.raises(OutputError, match="'nope' is not in"):
+        overwrite_tensors(tmp_path / "patched", {"t0": torch.ones(100), "nope": torch.ones(1)})
+    with pytest.raises(OutputError, match=r"'router': .* holds \[4, 8\], got \[8, 4\]"):
+        overwrite_tensors(tmp_path / "patched", {"t0": torch.ones(100),
+                                                 "router": torch.ones(8, 4)})
+    assert {p.name: p.read_bytes() for p in (tmp_path / "patched").iterdir()} == before
 
 
 def test_files_are_presized_before_any_write(tmp_path):

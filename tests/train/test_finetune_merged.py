@@ -59,6 +59,12 @@ def test_curvature_finetune_lowers_loss_and_export_keeps_outputs(camex):
     assert result.trained and all(".curvature." in n or n.endswith("mlp.router.weight")
                                   for n in result.trained)
     assert changed and all(".curvature." in n or ".router." in n for n in changed)
+    # the routing report: mean routing weights per layer ("weight" level), experts by name
+    routing = result.routing
+    assert routing.level == "weight" and routing.labels == list(camex[1].experts)
+    assert (root / "tuned/training/routing.json").is_file()
+    for domain in routing.domains.values():
+        assert all(sum(row) == pytest.approx(1.0) for row in domain.share)
 
     export = CliRunner().invoke(app, ["export", str(root / "tuned"), str(root / "baked")])
     assert export.exit_code == 0, export.output
