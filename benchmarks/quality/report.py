@@ -1,13 +1,19 @@
-"""quality.md and quality.png from the result of run.py."""
+"""quality.md and quality.png from the result of run.py (run this file to write them again
+from benchmarks/results/quality.json)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 GROUPS = {  # label prefix: bar colour
     "base": "#7f7f7f", "expert": "#bcbd22", "dense": "#8c564b", "token_routed": "#1f77b4",
-    "seq_routed": "#2ca02c", "bridged": "#9467bd", "merged_experts": "#d62728",
+    "seq_routed": "#2ca02c", "merged_experts": "#d62728", "CAMEx": "#ff7f0e",
+    "upcycled": "#9467bd",
 }
+DENSE_MERGES = ("dense_average", "dense_ties", "dense_dare")
+CALIBRATED = "token_cal"
+FINE_TUNED_ROUTERS = ("token_random+r", "token_cal+r")
 
 
 def summary(per_seed: list[dict[str, float]]) -> dict:
@@ -19,38 +25,140 @@ def summary(per_seed: list[dict[str, float]]) -> dict:
             "seeds": len(per_seed)}
 
 
-def markdown(result: dict) -> str:
-    rows, s = result["rows"], result["settings"]
+def _by_key(rows: dict) -> dict[str, tuple[str, dict]]:
+    return {row["key"]: (label, row) for label, row in rows.items()}
+
+
+def control(row: dict, rows: dict) -> tuple[str, dict] | None:
+    """The dense row a row is measured against: the dense base trained for as many steps, or,
+    for a row without training, the best dense merge (the same experts, no training)."""
+    dense = [(label, r) for label, r in rows.items() if r["key"].startswith("dense")]
+    if row["steps"]:
+        matched = [(label, r) for label, r in dense if r["steps"] == row["steps"]]
+        return matched[0] if matched else None
+    merges = [(label, r) for label, r in dense if r["key"] in DENSE_MERGES]
+    return min(merges, key=lambda x: x[1]["summary"]["mean"]) if merges else None
+
+
+def oracle(rows: dict) -> float | None:
+    """The mean over domains of each domain's own expert's perplexity on it: what routing every
+    sequence to the right expert, and nothing more, would give."""
+    experts = {r["key"].removeprefix("expert:"): r for r in rows.values()
+               if r["key"].startswith("expert:")}
     domains = list(next(iter(rows.values()))["summary"]["domains"])
+    if set(domains) - set(experts):
+        return None
+    return sum(experts[d]["summary"]["domains"][d] for d in domains) / len(domains)
+
+
+def _change(value: float, reference: float) -> str:
+    return f"{(value - reference) / reference:+.1%}"
+
+
+def verdicts(rows: dict) -> list[str]:
+    """The headline, computed: calibrate against the best fine-tuned router, and every MoE row
+    against its dense control, whichever way it goes."""
+    keyed, lines = _by_key(rows), []
+    if CALIBRATED in keyed and any(k in keyed for k in FINE_TUNED_ROUTERS):
+        cal = keyed[CALIBRATED][1]["summary"]["mean"]
+        label, best = min((keyed[k] for k in FINE_TUNED_ROUTERS if k in keyed),
+                          key=lambda x: x[1]["summary"]["mean"])
+        gap = (cal - best["summary"]["mean"]) / best["summary"]["mean"]
+        verdict = "within" if gap <= 0.02 else "NOT within"
+        lines.append(f"**Training-free router vs the best fine-tuned one:** token_routed with "
+                     f"`router.init: calibrate` has mean perplexity {cal:.2f}, the best fine-tuned "
+                     f"router ({label}) {best['summary']['mean']:.2f}: {gap:+.1%}, {verdict} the "
+                     f"2 % target.")
+    for label, row in rows.items():
+        matched = control(row, rows) if is_moe(row) else None
+        if matched is None:
+            continue
+        c_label, c_row = matched
+        mean, ref = row["summary"]["mean"], c_row["summary"]["mean"]
+        lines.append(f"- {label}: {mean:.2f}, {_change(mean, ref)} against {c_label} "
+                     f"({ref:.2f}): {_side(row['summary'], c_row['summary'])} the dense control.")
+    return lines
+
+
+def is_moe(row: dict) -> bool:
+    return not row["key"].startswith(("base", "expert", "dense"))
+
+
+def _side(a: dict, b: dict) -> str:
+    """Better or worse; with seeds on both sides, only when their min–max ranges do not meet."""
+    if a["seeds"] > 1 and b["seeds"] > 1 and a["min"] <= b["max"] and b["min"] <= a["max"]:
+        return "within the seeds' spread of"
+    return "better than" if a["mean"] < b["mean"] else "worse than"
+
+
+def _own(row: dict, domains: list[str]) -> str:
+    if not row.get("own"):
+        return "–"
+    means = [sum(seed[d] for seed in row["own"]) / len(row["own"]) for d in domains]
+    return f"{sum(means) / len(means):.0%}"
+
+
+def markdown(result: dict) -> str:
+    rows, s, spec = result["rows"], result["settings"], result["spec"]
+    domains = list(next(iter(rows.values()))["summary"]["domains"])
+    n = len(domains)
     lines = [
-        f"# Quality: merge-into-MoE kinds and methods on the {result['preset']} toy experts", "",
-        f"{result['machine']}; torch {result['torch']}; {result['date']}; whole run "
-        f"{result['runtime_s'] / 60:.1f} min.", "",
-        "Held-out perplexity (lower is better), windows of 129 tokens: the first "
-        f"{s['prompt_tokens']} are the prompt (sequence-routed models choose their experts "
-        "there), the rest are scored through the KV cache. Toy scale: 2-layer, hidden-64 "
-        "experts branched from one base, 3 domains; the figures rank methods on this toy set "
-        "only.", "",
-        f"Fine-tuning: batches of {s['batch_size']} × {s['seq_len']} tokens from the experts' "
-        f"training text (all domains), AdamW, warm-up + cosine. Router / projector / curvature "
-        f"training: {s['steps']} steps at lr {s['lr']:g} (experts frozen). Full fine-tune: "
-        f"{s['full_steps']} steps at lr {s['full_lr']:g}, starting from the router-trained "
-        f"model. The dense controls train the base with the full fine-tune's loop, blocks, "
-        f"batch and lr, for the full fine-tune's steps and for the whole pipeline's "
-        f"({s['steps']} + {s['full_steps']}). Rows with several seeds (build seed and data "
-        "order): per-domain means over the seeds, and the mean with its min–max over seeds.",
-        "",
-        "| model | " + " | ".join(domains) + " | mean | seeds |",
-        "|---|" + "---:|" * (len(domains) + 2)]
+        f"# Quality: merge-into-MoE kinds, routers and methods on the {result['preset']} toy "
+        "experts", "",
+        f"`python benchmarks/quality/run.py --preset {result['preset']}` — {result['machine']}; "
+        f"torch {result['torch']}; {result['date']}; whole run {result['runtime_s'] / 60:.1f} "
+        f"min, with the toy set cached (making it the first time took "
+        f"{result['toy_make_s'] / 60:.1f} min more).", "",
+        f"**Set-up.** {n} experts ({', '.join(domains)}) of hidden {spec['hidden']}, "
+        f"{spec['layers']} layers, vocabulary {spec['vocab']}, each branched from one base "
+        f"({spec['base_steps']} steps on all domains) and trained {spec['expert_steps']} steps "
+        "on its own domain. Perplexity (lower is better) on the last two thirds of each "
+        "domain's held-out text, at most "
+        f"{s['max_tokens']} tokens each, in windows of {s['seq_len'] + 1} tokens: the first "
+        f"{s['prompt_tokens']} are a prompt (sequence-routed models choose their experts "
+        "there), the rest go through the KV cache and are scored. The dense TIES and DARE-TIES "
+        "merges have λ and density tuned per tensor role on the first third "
+        "(`build --tune-on`); routers are calibrated on the training text.", "",
+        f"**Training.** Batches of {s['batch_size']} × {s['seq_len']} tokens of the training "
+        f"text (all domains), AdamW, warm-up + cosine. Routers (and CAMEx curvature): "
+        f"{s['steps']} steps at lr {s['lr']:g}, experts frozen. Full fine-tune: "
+        f"{s['full_steps']} steps at lr {s['full_lr']:g} after the routers. Upcycled: the base "
+        f"made into {n} copies (top-2), all weights trained {s['steps'] + s['full_steps']} steps "
+        f"at lr {s['full_lr']:g} (before training it is the base exactly). Dense controls: the "
+        "base trained with the same loop, batches and lr as the full fine-tune, for as many "
+        "steps as the row it controls. Rows over several seeds (build seed and data order): "
+        "per-domain means, and the mean with its min–max.", "",
+        "**Columns.** *vs dense*: the change in mean perplexity against the dense row with the "
+        "same training (no training: the best dense merge; "
+        f"{s['steps']} / {s['steps'] + s['full_steps']} steps: the dense base trained as "
+        "long); negative is better. *own expert*: averaged over the domains, the "
+        "share of a domain's tokens whose top-2 holds its own expert (token_routed, every "
+        f"layer; chance {2 / n:.0%}), of its windows sent to its own expert (seq_routed, "
+        f"top-1; chance {1 / n:.0%}), or the mean routing weight on its own expert "
+        f"(merged_experts / CAMEx, every layer; chance {1 / n:.0%}).", "",
+        "| model | " + " | ".join(domains) + " | mean | vs dense | own expert | seeds |",
+        "|---|" + "---:|" * (n + 4)]
     for label, row in rows.items():
         sm = row["summary"]
         spread = f" ({sm['min']:.2f}–{sm['max']:.2f})" if sm["seeds"] > 1 else ""
+        matched = control(row, rows) if is_moe(row) else None
+        versus = _change(sm["mean"], matched[1]["summary"]["mean"]) if matched else "–"
         lines.append(f"| {label} | " + " | ".join(f"{sm['domains'][d]:.2f}" for d in domains)
-                     + f" | {sm['mean']:.2f}{spread} | {sm['seeds']} |")
-    if result.get("notes"):
-        lines += ["", *[f"- {n}" for n in result["notes"]]]
-    lines += ["", "Stage times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in
-                                                  result["times_s"].items()) + "."]
+                     + f" | {sm['mean']:.2f}{spread} | {versus} | {_own(row, domains)} | "
+                     f"{sm['seeds']} |")
+    if result.get("tuned"):
+        chosen = "; ".join(f"{k}: " + ", ".join(f"{role} λ {v[0]:g}" + (
+            f" d {v[1]:g}" if v[1] is not None else "") for role, v in roles.items())
+            for k, roles in result["tuned"].items() if roles)
+        lines += ["", "Tuned on the validation text (roles not listed keep λ 0.5, density 0.7): "
+                  + (chosen or "every role kept the recipe's values") + "."]
+    lines += ["", "## What the numbers say", "", *verdicts(rows)]
+    if (best := oracle(rows)) is not None:
+        lines += ["", f"Each domain scored by its own expert (the oracle of routing, no more): "
+                  f"{best:.2f}."]
+    times = ", ".join(f"{label} {row['seconds']:.0f}" for label, row in rows.items()
+                      if row["seconds"] >= 30)
+    lines += ["", f"Rows that took 30 s or more (s, models made and scored): {times}."]
     return "\n".join(lines) + "\n"
 
 
@@ -68,6 +176,8 @@ def plot(result: dict, path: Path) -> None:
     y = list(range(len(labels)))[::-1]
     ax.barh(y, means, color=colours, xerr=[lo, hi], capsize=2)
     ax.axvline(rows["base"]["summary"]["mean"], color="#7f7f7f", ls="--", lw=1)
+    if (best := oracle(rows)) is not None:
+        ax.axvline(best, color="#bcbd22", ls=":", lw=1.2)
     ax.set_yticks(y, labels, fontsize=7)
     right = min(max(means) * 1.02, 1.6 * rows["base"]["summary"]["mean"])  # outliers clipped
     ax.set_xlim(min(means) * 0.9, right)
@@ -77,8 +187,15 @@ def plot(result: dict, path: Path) -> None:
                 va="center", ha="right" if clipped else "left", fontsize=6,
                 color="white" if clipped else "black")
     ax.set_xlabel("mean held-out perplexity over the domains (lower is better; bars: min–max "
-                  "over seeds)", fontsize=8)
+                  "over seeds; dashed: the base; dotted: each domain's own expert)", fontsize=8)
     ax.set_title(f"Merge-into-MoE kinds on the {result['preset']} toy experts "
                  f"({result['date']})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    results = Path(__file__).parent.parent / "results"
+    saved = json.loads((results / "quality.json").read_text())
+    (results / "quality.md").write_text(markdown(saved))
+    plot(saved, results / "quality.png")

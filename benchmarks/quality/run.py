@@ -1,22 +1,25 @@
-"""Quality of every merge-into-MoE kind and merge method on the toy domain experts: the papers'
-comparisons (Branch-Train-Mix, sequence routing, bridged experts, SMEAR / CAMEx, dense
-TIES / DARE merges, a compute-matched dense control) in miniature, one run, one machine.
+"""Quality of every merge-into-MoE kind, router init and merge method on the toy domain experts,
+against the dense merges and a compute-matched dense control: the papers' comparisons
+(Branch-Train-Mix, sequence routing, SMEAR / CAMEx, sparse upcycling, TIES / DARE) in
+miniature, one run, one machine.
 
-Per-domain held-out perplexity (each window read as generation would: a prompt of
+The `quality` preset (default): 4 experts (code, prose, math, C++) of 1.5M parameters (hidden
+128, 4 layers) branched from one base; `--preset demo` runs the same rows on the demo's 3
+experts of hidden 64. Each domain's held-out text is split: its first third is the validation
+text (λ / density of the dense TIES and DARE-TIES merges are tuned on it with `build --tune-on`),
+the rest is the test text every row is scored on. Routers are calibrated, and everything is
+trained, on the experts' training text.
+
+Per row: per-domain test perplexity (each window read as generation would: a prompt of
 --prompt-tokens tokens, where sequence-routed models route, then the rest through the KV cache;
-only the tokens after the prompt scored) and the mean over domains, for: the base, each expert,
-dense TIES and DARE-TIES merges; token-routed MoEs (average / TIES / DARE-TIES non-FFN merge,
-random router), the average one after router-only training and then a short full fine-tune;
-router set by `calibrate` (closed form, no training); seq_routed with perplexity, task-vector
-and calibrated learned routing; bridged with a narrower expert (least-
-squares projectors, then routers + projectors trained); merged_experts with routers trained, without
-and with curvature; and the base trained further on the same data as the full fine-tune (the
-compute-matched dense control). Fine-tuned rows run with --seeds seeds (build seed and data
-order) and report the mean and the min–max over seeds.
+only the tokens after the prompt scored), the mean over domains, and for MoEs whose experts are
+the domain experts the share of each domain's routing that goes to its own expert. Rows that
+train run with --seeds seeds (build seed and data order): the mean and the min–max over seeds.
 
-Results: benchmarks/results/quality.{md,json,png}.
+Results: benchmarks/results/quality.{md,json,png}; `python benchmarks/quality/report.py`
+writes the .md and .png again from the .json.
 
-    python benchmarks/quality/run.py [--seeds 3] [--steps 80] [--full-steps 40]
+    python benchmarks/quality/run.py [--preset quality|demo] [--seeds 3] [--steps 80]
 """
 
 from __future__ import annotations
@@ -33,51 +36,85 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from models import build, finetune, recipes, same_vocabulary, train_dense  # noqa: E402
+from models import TRAINED, Models  # noqa: E402
 from report import markdown, plot, summary  # noqa: E402
 
 RESULTS = Path(__file__).parent.parent / "results"
+ROUTED = ("token_", "seq_", "merged_", "camex_")  # keys of MoEs whose experts are the domains'
+
+
+def rows(ts, a) -> list[tuple[str, str, bool]]:
+    """(label, model key, trained over seeds) of every row, in the table's order."""
+    r, f, p = a.steps, a.full_steps, a.steps + a.full_steps
+    return [
+        ("base", "base", False),
+        *((f"expert: {d}", f"expert:{d}", False) for d in ts.experts),
+        ("dense average", "dense_average", False),
+        ("dense TIES, tuned λ / density", "dense_ties", False),
+        ("dense DARE-TIES, tuned λ / density", "dense_dare", False),
+        (f"dense base + {r} steps (control)", "dense+router", True),
+        (f"dense base + {p} steps (control)", "dense+pipeline", True),
+        ("token_routed, random router", "token_random", False),
+        ("token_routed, prompts router", "token_prompts", False),
+        ("token_routed, calibrate (no training)", "token_cal", False),
+        (f"token_routed, random + routers {r} steps", "token_random+r", True),
+        (f"token_routed, calibrate + routers {r} steps", "token_cal+r", True),
+        (f"token_routed, calibrate + routers {r} + full {f} steps", "token_cal+r+f", True),
+        ("seq_routed, perplexity", "seq_ppl", False),
+        ("seq_routed, task_vector", "seq_tv", False),
+        ("seq_routed, learned, calibrate (no training)", "seq_cal", False),
+        ("merged_experts, calibrate (no training)", "merged_cal", False),
+        (f"merged_experts, calibrate + routers {r} steps", "merged_cal+r", True),
+        ("CAMEx, calibrate (no training)", "camex_cal", False),
+        (f"CAMEx, calibrate + routers, curvature {r} steps", "camex_cal+rc", True),
+        (f"upcycled {len(ts.experts)}× top-2, + full {p} steps", "upcycle+f", True),
+    ]
+
+
+def trained_steps(key: str, models: Models) -> int:
+    """Training steps behind a model: its fine-tunes' steps, parents included."""
+    if key in TRAINED:
+        return models.steps(TRAINED[key].phase)[0] + trained_steps(TRAINED[key].parent, models)
+    return {"dense+router": models.args.steps,
+            "dense+pipeline": models.args.steps + models.args.full_steps}.get(key, 0)
+
+
+def split_held_out(text: str) -> tuple[str, str]:
+    """(validation, test): the first third of a held-out text (cut at a line end), the rest."""
+    cut = text.index("\n", len(text) // 3) + 1
+    return text[:cut], text[cut:]
 
 
 class Scorer:
-    """Perplexity of one model at a time; rows {label: [per-seed {domain: ppl}]}."""
+    """Test perplexity of one model at a time, and where its routers send each domain."""
 
-    def __init__(self, ts, args):
-        self.texts = {d: p.read_text() for d, p in ts.eval_text.items()}
+    def __init__(self, texts: dict[str, str], args):
+        self.texts, self.args = texts, args
         self.kw = {"seq_len": 128, "max_tokens": args.max_tokens,
                    "prompt_tokens": args.prompt_tokens}
-        self.rows: dict[str, list[dict[str, float]]] = {}
 
-    def __call__(self, label: str, ref) -> None:
+    def __call__(self, key: str, ref) -> tuple[dict[str, float], dict[str, float] | None]:
+        """({domain: perplexity}, {domain: own-expert share} or None)."""
         from moemerge.eval.perplexity import perplexity_table
 
-        row = perplexity_table({label: ref}, self.texts, **self.kw)[label]
-        self.rows.setdefault(label, []).append(row)
-        print(f"{label}: " + ", ".join(f"{d} {v:.2f}" for d, v in row.items()), flush=True)
+        if not key.startswith(ROUTED):
+            return perplexity_table({key: ref}, self.texts, **self.kw)[key], None
+        from moemerge.analysis.routing import load_moe, routing_report
 
-
-def narrow_experts(ts, args, notes: list[str]) -> dict[str, Path]:
-    """The bridged experts: the DEMO code and prose experts and a narrower math expert (a toy
-    set of the same spec at another width, trained and cached on first use) when its tokenizer
-    is the DEMO one; else all three DEMO experts."""
-    from dataclasses import replace
-
-    from moemerge.toy import cached_toy_experts
-
-    spec = replace(ts.spec, hidden=args.narrow_hidden, intermediate=4 * args.narrow_hidden)
-    narrow = cached_toy_experts(spec, progress=False)
-    if same_vocabulary(ts.base, narrow.base):
-        return {"code": ts.experts["code"], "prose": ts.experts["prose"],
-                "math": narrow.experts["math"]}
-    notes.append(f"the hidden-{args.narrow_hidden} toy set has another vocabulary: bridged "
-                 "uses the three DEMO experts")
-    return dict(ts.experts)
+        model, tokenizer = load_moe(ref)
+        report = routing_report(model, tokenizer, self.texts, labels=list(self.texts), **self.kw)
+        # token / sequence level: the share of tokens (windows) whose top-k holds their own
+        # expert (each fills k slots, at most one its own); weight level: the mean weight on it
+        k = 1 if report.level == "weight" else report.experts_per_token
+        own = {d: k * r.mean_share[report.labels.index(d)] for d, r in report.domains.items()}
+        return {d: r.perplexity for d, r in report.domains.items()}, own
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=("quality", "demo"), default="quality")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=80, help="router/projector/curvature steps")
+    parser.add_argument("--steps", type=int, default=80, help="router / curvature steps")
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--full-steps", type=int, default=40)
     parser.add_argument("--full-lr", type=float, default=1e-4)
@@ -85,91 +122,69 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--eval-fraction", type=float, default=0.02)
     parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=20000)
-    parser.add_argument("--narrow-hidden", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=12000, help="test tokens per domain")
+    parser.add_argument("--tune-chars", type=int, default=8000,
+                        help="validation characters per domain for λ / density tuning")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--only", default="", help="comma-separated row keys (a partial run "
+                        "for trying changes; writes no results)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    clock, times, notes = time.perf_counter(), {}, []
-
-    def stage(name: str) -> None:
-        times[name] = time.perf_counter() - clock - sum(times.values())
+    clock, times = time.perf_counter(), {}
 
     from moemerge.modeling import register
-    from moemerge.toy import DEMO, cached_toy_experts
+    from moemerge.toy import DEMO, QUALITY, cached_toy_experts
+    from moemerge.tune import TuneOptions
 
     register()
-    ts = cached_toy_experts(DEMO, progress=False)
-    narrow = narrow_experts(ts, args, notes)
-    stage("toy experts")
-    score = Scorer(ts, args)
+    ts = cached_toy_experts({"quality": QUALITY, "demo": DEMO}[args.preset], progress=False)
+    times["toy experts"] = time.perf_counter() - clock
+    held_out = {d: split_held_out(p.read_text()) for d, p in ts.eval_text.items()}
+    score = Scorer({d: test for d, (_, test) in held_out.items()}, args)
+    results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        built = {k: build(v, work / f"s0-{k}")
-                 for k, v in recipes(ts, narrow, 0, args.prompt_tokens).items()}
-        stage("builds")
-        score("base", ts.base)
-        for d, p in ts.experts.items():
-            score(f"expert: {d}", p)
-        if narrow["math"] != ts.experts["math"]:
-            score(f"expert: math (hidden {args.narrow_hidden}, for bridged)", narrow["math"])
-        score("dense TIES (λ 0.5, d 0.7)", built["dense_ties"])
-        score("dense DARE-TIES (λ 0.5, d 0.7)", built["dense_dare"])
-        for s in range(args.seeds):
-            for steps in (args.full_steps, args.steps + args.full_steps):
-                score(f"dense base + {steps} steps (control)",
-                      train_dense(ts, ts.base, steps, args.full_lr, s, args))
-        stage("dense")
-        score("token_routed, average, random router", built["token_avg"])
-        score("token_routed, TIES, random router", built["token_ties"])
-        score("token_routed, DARE-TIES, random router", built["token_dare"])
-        score("token_routed, average, calibrate (no training)", built["token_cal"])
-        for s in range(args.seeds):
-            moe = built["token_avg"] if s == 0 else build(recipes(ts, narrow, s)["token_avg"],
-                                                          work / f"s{s}-token_avg")
-            routed = finetune(ts, moe, work / f"ft{s}-router", ["routers"], args.steps, args.lr,
-                              s, args)
-            score(f"token_routed, average, + routers {args.steps} steps", routed)
-            full = finetune(ts, routed, work / f"ft{s}-full", ["all"], args.full_steps,
-                            args.full_lr, s, args)
-            score(f"token_routed, average, + routers, + full {args.full_steps} steps", full)
-        stage("token_routed")
-        score("seq_routed, perplexity", built["seq_ppl"])
-        score("seq_routed, task_vector", built["seq_tv"])
-        score("seq_routed, learned, calibrate (no training)", built["seq_cal"])
-        stage("seq_routed")
-        score("bridged, least-squares projectors, random router", built["bridged"])
-        score("bridged, least-squares projectors, calibrate (no training)", built["bridged_cal"])
-        for s in range(args.seeds):
-            tuned = finetune(ts, built["bridged"], work / f"ft{s}-bridged",
-                             ["routers", "projectors"], args.steps, args.lr, s, args)
-            score(f"bridged, + routers, projectors {args.steps} steps", tuned)
-        stage("bridged")
-        score("merged_experts, before training", built["merged_none"])
-        score("merged_experts, calibrate (no training)", built["merged_cal"])
-        for key, parts, label in (("merged_none", ["routers"], "routers"),
-                                  ("merged_ca", ["routers", "curvature"], "routers, curvature")):
-            for s in range(args.seeds):
-                tuned = finetune(ts, built[key], work / f"ft{s}-{key}", parts, args.steps,
-                                 args.lr, s, args)
-                score(f"merged_experts{' + curvature' if key == 'merged_ca' else ''}, "
-                      f"+ {label} {args.steps} steps", tuned)
-        stage("merged_experts")
+        (work / "validation").mkdir()
+        for d, (validation, _) in held_out.items():
+            (work / "validation" / f"{d}.txt").write_text(validation[: args.tune_chars])
+        tune = TuneOptions(work / "validation", max_tokens=10**6, seq_len=64)
+        models = Models(ts, args, work, tune)
+        only = set(filter(None, args.only.split(",")))
+        for label, key, trained in rows(ts, args):
+            if only and key not in only:
+                continue
+            start, row = time.perf_counter(), {"key": key, "per_seed": [], "own": []}
+            for seed in range(args.seeds if trained else 1):
+                perplexities, own = score(key, models.get(key, seed))
+                row["per_seed"].append(perplexities)
+                if own is not None:
+                    row["own"].append(own)
+                print(f"{label} (seed {seed}): " + ", ".join(f"{d} {v:.2f}" for d, v in
+                                                             perplexities.items()), flush=True)
+            row |= {"steps": trained_steps(key, models), "summary": summary(row["per_seed"]),
+                    "seconds": round(time.perf_counter() - start, 1)}
+            results[label] = row
+        tuned = models.tuned
     result = {
-        "preset": "demo", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+        "preset": args.preset, "spec": ts.spec.__dict__ | {"domains": list(ts.spec.domains)},
+        "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.threads} torch "
                    f"thread(s)",
-        "settings": {k: v for k, v in vars(args).items() if k != "threads"},
-        "bridged_experts": {d: str(p.relative_to(p.parents[2])) for d, p in narrow.items()},
-        "runtime_s": time.perf_counter() - clock, "times_s": times, "notes": notes,
-        "rows": {k: {"per_seed": v, "summary": summary(v)} for k, v in score.rows.items()},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("threads", "only")},
+        "tuned": {k: {role: list(v) for role, v in chosen.items()} for k, chosen in tuned.items()},
+        "runtime_s": time.perf_counter() - clock, "toy_s": times["toy experts"],
+        # what making the toy set took, whenever it was made (0 above when it was cached)
+        "toy_make_s": json.loads((ts.root / "toyset.json").read_text())["timings"]["total_s"],
+        "rows": results,
     }
+    print(markdown(result))
+    print(f"runtime: {result['runtime_s']:.0f} s")
+    if only:
+        return
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "quality.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
     (RESULTS / "quality.md").write_text(markdown(result))
     plot(result, RESULTS / "quality.png")
-    print(markdown(result))
-    print(f"runtime: {result['runtime_s']:.0f} s")
 
 
 if __name__ == "__main__":

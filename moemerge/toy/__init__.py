@@ -6,6 +6,7 @@ from moemerge.toy.corpora import DOMAINS, domain_text, domain_texts
 from moemerge.toy.experts import (
     DEMO,
     FAMILIES,
+    QUALITY,
     TINY,
     ToySet,
     ToySpec,
@@ -19,6 +20,7 @@ __all__ = [
     "DEMO",
     "DOMAINS",
     "FAMILIES",
+    "QUALITY",
     "TINY",
     "ToySet",
     "ToySpec",
