@@ -72,11 +72,33 @@ def check_options(opts: TuneOptions) -> None:
                           f"({opts.seq_len}) by at least 1")
 
 
+def merges_of(job: Job) -> list[Job]:
+    """The merges a job makes: itself, or each part of a fused tensor (Phi-3's qkv_proj,
+    gate_up_proj), which is merged part by part."""
+    return [part for group in job.parts for part in group] if job.kind == "fuse" else [job]
+
+
+def with_values(job: Job, lam: float, density: float | None) -> Job:
+    """`job` with λ and density set in its merge (in every part of a fused tensor)."""
+    def one(merge_job: Job) -> Job:
+        return replace(merge_job, merge=merge_job.merge.with_values(
+            **{"lambda": lam, "density": density}))
+    if job.kind == "fuse":
+        return replace(job, parts=tuple(tuple(one(p) for p in group) for group in job.parts))
+    return one(job)
+
+
+def _tunable(job: Job) -> bool:
+    return all(m.kind == "merge" and m.merge is not None and m.merge.method in TUNABLE_METHODS
+               for m in merges_of(job))
+
+
 def tunable_jobs(plan: Plan) -> dict[str, list[Job]]:
-    """{role: merge jobs whose method has a λ}, in ROLE_ORDER; RecipeError when there are none."""
+    """{role: jobs whose merges all have a λ (a merge, or a fused tensor merged part by part)},
+    in ROLE_ORDER; RecipeError when there are none."""
     by_role: dict[str, list[Job]] = {}
     for job in plan.jobs:
-        if job.kind == "merge" and job.merge is not None and job.merge.method in TUNABLE_METHODS:
+        if _tunable(job):
             by_role.setdefault(job.role, []).append(job)
     if not by_role:
         raise RecipeError(
@@ -111,17 +133,16 @@ def search(model, tokenizer, text: str, plan: Plan, load: Load, seed: int, opts:
 
     def fits(role: str, lam: float, density: float | None) -> bool:
         """Whether every job of the role takes these values (DELLA: density ± epsilon)."""
-        return all(get(j.merge.method).problem(
-            j.merge.with_values(**{"lambda": lam, "density": density}).params) is None
-            for j in jobs[role])
+        return all(get(m.merge.method).problem(
+            m.merge.with_values(**{"lambda": lam, "density": density}).params) is None
+            for j in jobs[role] for m in merges_of(j))
 
     def set_role(role: str, lam: float | None, density: float | None) -> None:
         for job in jobs[role]:
-            params = job.merge
             if lam is not None:  # density only where the method has one
-                params = params.with_values(**{"lambda": lam, "density": density})
+                job = with_values(job, lam, density)
             with torch.no_grad():
-                state[job.output].copy_(compute(replace(job, merge=params), cached, None, seed))
+                state[job.output].copy_(compute(job, cached, None, seed))
 
     def score(role: str, lam: float | None, density: float | None) -> float:
         ppl = perplexity(model, tokenizer, text, seq_len=opts.seq_len, max_tokens=opts.max_tokens)
@@ -134,7 +155,8 @@ def search(model, tokenizer, text: str, plan: Plan, load: Load, seed: int, opts:
     best = baseline = score("recipe", None, None)
     chosen: dict[str, tuple[float, float | None]] = {}
     for role, role_jobs in jobs.items():
-        with_density = any(j.merge.get("density") is not None for j in role_jobs)
+        with_density = any(m.merge.get("density") is not None for j in role_jobs
+                           for m in merges_of(j))
         scores = {}
         for lam in opts.lambdas:
             for density in opts.densities if with_density else (None,):
