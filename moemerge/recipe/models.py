@@ -106,6 +106,19 @@ class _RecipeBase(Strict):
         "base_model", "models", "experts", mode="before", check_fields=False
     )(_refs_from_str)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _calibrate_by_default(cls, data: object) -> object:
+        """An MoE recipe with a `calibration` block and no `router.init` calibrates its routers
+        (the block is read by nothing else); a learned router is the one that can be set."""
+        if not (isinstance(data, dict) and data.get("kind") == "moe" and data.get("calibration")):
+            return data
+        router = data.get("router") or {}
+        if isinstance(router, dict) and "init" not in router and \
+                router.get("kind", "learned") == "learned":
+            return {**data, "router": {**router, "init": "calibrate"}}
+        return data
+
     @model_validator(mode="after")
     def _inputs_usable(self):
         """Weights that can be normalised, and expert names that tell experts apart."""

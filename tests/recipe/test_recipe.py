@@ -176,7 +176,10 @@ CALIBRATION = {"data": ["alpha=a.txt", "b=b.txt"]}
 
 @pytest.mark.parametrize("data, message", [
     ({**MOE, "router": {"init": "calibrate"}}, "router.init: 'calibrate' needs a `calibration"),
-    ({**MOE, "calibration": CALIBRATION}, "calibration: given, but router.init is not"),
+    ({**MOE, "router": {"init": "random"}, "calibration": CALIBRATION},
+     "calibration: given, but router.init is not"),
+    ({**SEQ, "router": {"kind": "perplexity"}, "calibration": CALIBRATION},
+     "calibration: given, but router.init is not"),
     ({**MOE, "router": {"init": "calibrate"}, "calibration": {**CALIBRATION, "confidence": 0.5}},
      "calibration.confidence: 0.5 is not above 1/2"),
     ({**MOE, "router": {"init": "calibrate"}, "calibration": {"data": []}}, "calibration.data"),
@@ -200,3 +203,12 @@ def test_calibration_takes_one_text_or_a_list():
     for data in (SEQ, MERGED):
         assert parse_recipe({**data, "router": {"init": "calibrate"},
                              "calibration": CALIBRATION}).router.init == "calibrate"
+
+
+def test_a_calibration_block_makes_calibrate_the_default_init():
+    """Without `router.init`, a recipe with calibration text calibrates (nothing else reads the
+    block); an init given explicitly stays, and so do recipes without the block."""
+    for data in (MOE, SEQ, MERGED, {**SEQ, "router": {"kind": "learned", "std": 0.1}}):
+        assert parse_recipe({**data, "calibration": CALIBRATION}).router.init == "calibrate"
+        assert parse_recipe(data).router.init == "random"
+    # explicit inits are kept (and refused with the block: see the errors above)
