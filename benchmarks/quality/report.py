@@ -146,6 +146,13 @@ def markdown(result: dict) -> str:
         lines.append(f"| {label} | " + " | ".join(f"{sm['domains'][d]:.2f}" for d in domains)
                      + f" | {sm['mean']:.2f}{spread} | {versus} | {_own(row, domains)} | "
                      f"{sm['seeds']} |")
+    routed = {label: row for label, row in rows.items() if row.get("own")}
+    if routed:
+        lines += ["", "Own-expert share per domain (as the *own expert* column; mean over seeds):",
+                  "", "| model | " + " | ".join(domains) + " |", "|---|" + "---:|" * n]
+        for label, row in routed.items():
+            shares = [sum(seed[d] for seed in row["own"]) / len(row["own"]) for d in domains]
+            lines.append(f"| {label} | " + " | ".join(f"{v:.0%}" for v in shares) + " |")
     if result.get("tuned"):
         chosen = "; ".join(f"{k}: " + ", ".join(f"{role} λ {v[0]:g}" + (
             f" d {v[1]:g}" if v[1] is not None else "") for role, v in roles.items())
