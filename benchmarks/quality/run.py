@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from models import TRAINED, Models  # noqa: E402
+from models import CONTROLS, TRAINED, Models  # noqa: E402
 from report import markdown, plot, summary  # noqa: E402
 
 RESULTS = Path(__file__).parent.parent / "results"
@@ -75,8 +75,7 @@ def trained_steps(key: str, models: Models) -> int:
     """Training steps behind a model: its fine-tunes' steps, parents included."""
     if key in TRAINED:
         return models.steps(TRAINED[key].phase)[0] + trained_steps(TRAINED[key].parent, models)
-    return {"dense+router": models.args.steps,
-            "dense+pipeline": models.args.steps + models.args.full_steps}.get(key, 0)
+    return models.steps(CONTROLS[key])[0] if key in CONTROLS else 0
 
 
 def split_held_out(text: str) -> tuple[str, str]:
