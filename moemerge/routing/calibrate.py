@@ -1,6 +1,6 @@
 """`router.init: calibrate`: set a built MoE's routers from calibration windows (docs/routing.md).
 
-The model is the merged MoE itself (loaded in fp32 from the build, written with placeholder
+The model is the merged MoE itself (loaded in its own dtype from the build, written with placeholder
 routers), so each router is fitted on the inputs it will see. Token and merged-experts
 routers are fitted layer by layer: layer l's inputs are captured with the routers of layers
 < l already set (their choices change what reaches layer l), the forward stops at layer l,

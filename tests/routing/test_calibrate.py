@@ -48,6 +48,9 @@ def recipe_for(planted, assembly: str, extra: str, data: str = "[letters.txt, di
 
 @pytest.mark.parametrize("assembly, extra", [
     ("token_routed", "experts_per_token: 1\nrouter: {init: calibrate}"),  # share per layer
+    # a bf16 build is calibrated in bf16 (the dtype it runs in)
+    ("token_routed", "experts_per_token: 1\nrouter: {init: calibrate}\n"
+     "output: {dtype: bfloat16}"),
     ("seq_routed", "router: {kind: learned, init: calibrate}"),  # one row: windows
 ])
 def test_each_domains_tokens_or_windows_go_to_its_expert(planted, assembly, extra):
