@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "quality"))
-from models import build, finetune, train_dense  # noqa: E402
+from models import add_training_options, build, finetune, train_dense  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 VARIANTS = {  # key: (label, recipe lines[, finetune config fields])
@@ -106,9 +106,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--eval-fraction", type=float, default=0.02)
+    add_training_options(parser)
     parser.add_argument("--max-tokens", type=int, default=8000)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--limit", type=int, default=0, help="train at most N runs, then stop")

@@ -151,6 +151,13 @@ def build(lines: list[str], out: Path) -> Path:
     return out
 
 
+def add_training_options(parser) -> None:
+    """The options `finetune` and `train_dense` read from the parsed args (see `_config`)."""
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--eval-fraction", type=float, default=0.02)
+
+
 def _config(ts, model: Path, out: Path, parts: list[str], steps: int, lr: float, seed: int,
             args, **extra):
     from moemerge.train.config import make_config

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from models import CONTROLS, TRAINED, Models  # noqa: E402
+from models import CONTROLS, TRAINED, Models, add_training_options  # noqa: E402
 from report import markdown, plot, summary  # noqa: E402
 
 RESULTS = Path(__file__).parent.parent / "results"
@@ -117,9 +117,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--full-steps", type=int, default=40)
     parser.add_argument("--full-lr", type=float, default=1e-4)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--eval-fraction", type=float, default=0.02)
+    add_training_options(parser)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=12000, help="test tokens per domain")
     parser.add_argument("--tune-chars", type=int, default=8000,
