@@ -91,10 +91,15 @@ def _side(a: dict, b: dict) -> str:
     return "better than" if a["mean"] < b["mean"] else "worse than"
 
 
+def own_by_domain(row: dict, domains: list[str]) -> list[float]:
+    """Each domain's own-expert share, the mean over seeds."""
+    return [sum(seed[d] for seed in row["own"]) / len(row["own"]) for d in domains]
+
+
 def _own(row: dict, domains: list[str]) -> str:
     if not row.get("own"):
         return "–"
-    means = [sum(seed[d] for seed in row["own"]) / len(row["own"]) for d in domains]
+    means = own_by_domain(row, domains)
     return f"{sum(means) / len(means):.0%}"
 
 
@@ -151,8 +156,8 @@ def markdown(result: dict) -> str:
         lines += ["", "Own-expert share per domain (as the *own expert* column; mean over seeds):",
                   "", "| model | " + " | ".join(domains) + " |", "|---|" + "---:|" * n]
         for label, row in routed.items():
-            shares = [sum(seed[d] for seed in row["own"]) / len(row["own"]) for d in domains]
-            lines.append(f"| {label} | " + " | ".join(f"{v:.0%}" for v in shares) + " |")
+            lines.append(f"| {label} | " + " | ".join(
+                f"{v:.0%}" for v in own_by_domain(row, domains)) + " |")
     if result.get("tuned"):
         chosen = "; ".join(f"{k}: " + ", ".join(f"{role} λ {v[0]:g}" + (
             f" d {v[1]:g}" if v[1] is not None else "") for role, v in roles.items())

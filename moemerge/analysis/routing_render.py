@@ -22,11 +22,15 @@ def _measure(report: RoutingReport) -> str:
     return "mean routing weight" if report.level == "weight" else f"share of {report.level} slots"
 
 
-def _title(report: RoutingReport, what: str) -> str:
+def _describe(report: RoutingReport, what: str = "") -> str:
     n = len(report.labels)
     used = ("every token mixes all" if report.level == "weight"
             else f"top-{report.experts_per_token}")
-    return f"routing: {_measure(report)} per expert{what} ({used} of {n}; uniform = {1 / n:.1%})"
+    return f"{_measure(report)} per expert{what} ({used} of {n}; uniform = {1 / n:.1%})"
+
+
+def _title(report: RoutingReport, what: str) -> str:
+    return f"routing: {_describe(report, what)}"
 
 
 def _layered(report: RoutingReport) -> bool:
@@ -106,6 +110,5 @@ def plot(report: RoutingReport, path: Path) -> None:
     if domains:
         axes[1].set_ylabel("layer" if _layered(report) else "", fontsize=8)
         fig.colorbar(image, ax=list(axes[1:]), label=_measure(report), shrink=0.9)
-    fig.suptitle(_title(report, "").removeprefix("routing: ") + f" — {report.model}",
-                 fontsize=8)
+    fig.suptitle(f"{_describe(report)} — {report.model}", fontsize=8)
     fig.savefig(path, dpi=120)
