@@ -131,10 +131,12 @@ def routing_report(
         labels = [f"expert {e}" for e in range(num_experts)]
     counts = torch.zeros(len(routers), num_experts, dtype=torch.float64)  # [layer, expert] slots
 
+    from moemerge.modeling.pretrained_moemerge import CACHE  # transformers' name for it
+
     def hook(row: int):
         def record(module, args, kwargs, output) -> None:
             if level == "sequence":  # the experts with weight in each window's routing: [B, N]
-                if kwargs.get("past_key_values") is None:  # after a prompt: its routing, kept
+                if kwargs.get(CACHE) is None:  # after a prompt: its routing, kept
                     counts[row] += (output.routing_weights > 0).sum(0).cpu()
                 return
             logits = output[0] if isinstance(output, tuple) else output  # [..., experts]

@@ -99,9 +99,10 @@ def _next_token_logits(model, ids: torch.Tensor, prompt: int) -> torch.Tensor:
     tokens after ids[:, prompt] (the first token after the prompt conditions, unscored)."""
     if not prompt:
         return model(input_ids=ids).logits.float()
+    from moemerge.modeling.pretrained_moemerge import CACHE  # transformers' name for it
+
     first = model(input_ids=ids[:, :prompt], use_cache=True)
-    rest = model(input_ids=ids[:, prompt:], past_key_values=first.past_key_values,
-                 use_cache=True)
+    rest = model(input_ids=ids[:, prompt:], use_cache=True, **{CACHE: first[CACHE]})
     return rest.logits.float()
 
 

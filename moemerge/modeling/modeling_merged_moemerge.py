@@ -33,7 +33,14 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_moemerge import MoemergeMergedConfig
 from .curvature_moemerge import KroneckerCurvature, dare_expert_mask, ties_mask
-from .pretrained_moemerge import MoemergeModel, dense_config, ffn_activation, softcap_logits
+from .pretrained_moemerge import (
+    CACHE,
+    MoemergeModel,
+    dense_config,
+    ffn_activation,
+    given_cache,
+    softcap_logits,
+)
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -246,22 +253,23 @@ class MoemergeMergedForCausalLM(MoemergeModel, PreTrainedModel, GenerationMixin)
         self._frozen = (key, weights) if not torch.is_grad_enabled() else None
         return weights
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None,
-                past_key_values=None, inputs_embeds=None, labels=None, use_cache=None,
-                logits_to_keep=0, **kwargs):
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0,
+                past_key_values=None, **kwargs):
         use_cache = use_cache if use_cache is not None else self.config.use_cache
-        if use_cache and past_key_values is None:
-            past_key_values = MergedCache(self.dense_config)
+        cache = given_cache(cache, past_key_values)
+        if use_cache and cache is None:
+            cache = MergedCache(self.dense_config)
         step = self.step
         step.weights = self.merged_weights()
-        step.cache = past_key_values if isinstance(past_key_values, MergedCache) else None
-        step.offset = past_key_values.get_seq_length() if past_key_values is not None else 0
+        step.cache = cache if isinstance(cache, MergedCache) else None
+        step.offset = cache.get_seq_length() if cache is not None else 0
         step.mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 \
             else None
         try:
             out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds,
                              attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past_key_values, use_cache=use_cache, **kwargs)
+                             use_cache=use_cache, **{CACHE: cache}, **kwargs)
         finally:
             # weights and mask stay: with gradient checkpointing the backward pass runs the
             # layers again; the cache does not (it would outlive generation)
@@ -274,7 +282,7 @@ class MoemergeMergedForCausalLM(MoemergeModel, PreTrainedModel, GenerationMixin)
             loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(),
                                    ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits,
-                                      past_key_values=out.past_key_values if use_cache else None)
+                                      **{CACHE: getattr(out, CACHE) if use_cache else None})
 
     @torch.no_grad()
     def baked_experts(self) -> dict[str, torch.Tensor]:

@@ -35,9 +35,11 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_moemerge import MoemergeConfig
 from .pretrained_moemerge import (
+    CACHE,
     MoemergeModel,
     dense_config,
     embedding_scale,
+    given_cache,
     scale_embeddings,
     softcap_logits,
 )
@@ -109,11 +111,11 @@ class ExpertStack(nn.Module):
             embeds = scale_embeddings(embeds, self.embed_scale)
         out = self.model(input_ids=None if embeds is not None else input_ids,
                          inputs_embeds=embeds, attention_mask=attention_mask,
-                         position_ids=position_ids, past_key_values=cache,
-                         use_cache=cache is not None)
+                         position_ids=position_ids, use_cache=cache is not None,
+                         **{CACHE: cache})
         hidden = out.last_hidden_state
         return (self.proj_out(hidden) if self.proj_out is not None else hidden,
-                out.past_key_values)
+                getattr(out, CACHE))
 
 
 class MoemergePreTrainedModel(MoemergeModel, PreTrainedModel):
@@ -212,14 +214,15 @@ class MoemergeForCausalLM(MoemergePreTrainedModel, GenerationMixin):
         log_p = torch.stack([F.log_softmax(logits[e].float(), dim=-1) for e in active])
         return torch.logsumexp(log_w + log_p, dim=0).to(logits[active[0]].dtype)
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None,
-                past_key_values=None, inputs_embeds=None, labels=None, use_cache=None,
-                output_router_logits=False, logits_to_keep=0, **kwargs):
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
+                inputs_embeds=None, labels=None, use_cache=None, output_router_logits=False,
+                logits_to_keep=0, past_key_values=None, **kwargs):
         if input_ids is None:
             raise ValueError("moemerge sequence-routed models take input_ids (routing reads the "
                              "tokens), not inputs_embeds")
         use_cache = use_cache if use_cache is not None else self.config.use_cache
-        cached = past_key_values if isinstance(past_key_values, RoutedCache) else None
+        cache = given_cache(cache, past_key_values)
+        cached = cache if isinstance(cache, RoutedCache) else None
         embeds = self.embed_tokens(input_ids) if self.embed_tokens is not None else None
 
         def run(e):
@@ -247,9 +250,9 @@ class MoemergeForCausalLM(MoemergePreTrainedModel, GenerationMixin):
             loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(),
                                    ignore_index=-100)
         aux = self._balance_loss(weights, router_logits) if output_router_logits else None
-        return MoemergeCausalLMOutput(loss=loss, logits=logits, past_key_values=cache,
-                                      routing_weights=weights, router_logits=router_logits,
-                                      aux_loss=aux)
+        return MoemergeCausalLMOutput(loss=loss, logits=logits, routing_weights=weights,
+                                      router_logits=router_logits, aux_loss=aux,
+                                      **{CACHE: cache})
 
     def _balance_loss(self, weights, router_logits):
         """Switch load balancing over sequences: N Σ_e f_e P_e (f: share of sequences that go

@@ -10,6 +10,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import AutoConfig
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+# The name transformers gives the KV cache, as a forward keyword and as an output field:
+# `cache` from 5.24 on (where `past_key_values` warns, and goes in 5.40), `past_key_values`
+# before. Shipped code passes and reads the cache by this name only, so it runs warning-free on
+# every release, and accepts either name from its own callers.
+CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def given_cache(cache, past_key_values):
+    """The cache a caller passed by either name (generate() passes `cache` from 5.24 on)."""
+    return cache if cache is not None else past_key_values
 
 
 def dense_config(values: dict, attn_implementation: str | None):

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 from conftest import FAMILIES, generate_in_fresh_process, perturbed_copy, write_recipe
+from reference.decoding import full_forward, search
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache
@@ -14,6 +15,7 @@ from typer.testing import CliRunner
 
 from moemerge.api import build
 from moemerge.cli import app
+from moemerge.modeling.pretrained_moemerge import CACHE
 
 IDS = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(0))
 
@@ -98,10 +100,10 @@ def decoded_logits(model, ids, prompt, chunk):
     per forward through the cache, as generation does."""
     with torch.no_grad():
         out = model(input_ids=ids[:, :prompt], use_cache=True)
-        pieces, cache = [out.logits], out.past_key_values
+        pieces, cache = [out.logits], out[CACHE]
         for start in range(prompt, ids.shape[1], chunk):
-            out = model(input_ids=ids[:, start:start + chunk], past_key_values=cache,
-                        use_cache=True)
+            out = model(input_ids=ids[:, start:start + chunk], use_cache=True,
+                        **{CACHE: cache})
             pieces.append(out.logits)
     return torch.cat(pieces, dim=1)
 
@@ -169,21 +171,6 @@ def test_decoding_with_the_prompts_scores_is_caught(distinct_merged, mask, dynam
     assert (stale[:, 5:] - full[:, 5:]).abs().max() > 100 * 1e-5
 
 
-def reference_beam_search(model, prompt, beams: int, new_tokens: int):
-    """Beam search written plainly: each step, one full forward (no cache) over every running
-    prefix, and the `beams` best prefix + token by summed log-probability. -> (sequences
-    [beams, T], scores [beams]), best first."""
-    running, scores = prompt, torch.zeros(1)
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            out = model(input_ids=running, use_cache=False).logits[:, -1].float()
-            total = (scores[:, None] + torch.log_softmax(out, -1)).flatten()
-            top = total.topk(beams)
-            row, token = top.indices // out.shape[1], top.indices % out.shape[1]
-            running, scores = torch.cat([running[row], token[:, None]], 1), top.values
-    return running, scores
-
-
 def beam_search(model, prompt):
     """generate()'s beam search through the MergedCache: all 3 beams and their summed
     log-probabilities (length_penalty 0), 9 tokens, no early stop."""
@@ -200,7 +187,7 @@ def test_beam_search_equals_a_beam_search_over_full_forwards(distinct_merged):
     model = distinct_merged("ties", True)
     prompt = IDS[:1, :6]  # the 9 new tokens close segment 1 and fill segments 2 and 3
     sequences, scores = beam_search(model, prompt)
-    theirs, their_scores = reference_beam_search(model, prompt, 3, 9)
+    theirs, their_scores = search(full_forward(model), prompt, 3, 9)
     assert torch.equal(sequences, theirs)
     torch.testing.assert_close(scores, their_scores, atol=1e-4, rtol=0)
 
@@ -214,9 +201,9 @@ def reorder_mismatch(model) -> float:
                                                                            generator=gen)
     order = torch.tensor([2, 0, 0])
     with torch.no_grad():
-        cache = model(input_ids=ids, use_cache=True).past_key_values
+        cache = model(input_ids=ids, use_cache=True)[CACHE]
         cache.reorder_cache(order)
-        cached = model(input_ids=new, past_key_values=cache, use_cache=True).logits
+        cached = model(input_ids=new, use_cache=True, **{CACHE: cache}).logits
         full = model(input_ids=torch.cat([ids[order], new], 1)).logits[:, 7:]
     return float((cached - full).abs().max())
 
@@ -231,7 +218,7 @@ def test_a_wrong_beam_reorder_is_caught(distinct_merged, monkeypatch):
     the continuation is far from the full forward."""
     model = distinct_merged("ties", True)
     prompt = IDS[:1, :6]
-    theirs, their_scores = reference_beam_search(model, prompt, 3, 9)
+    theirs, their_scores = search(full_forward(model), prompt, 3, 9)
     monkeypatch.setattr(remote_module(model).MergedCache, "reorder_cache",
                         lambda self, beam_idx: DynamicCache.reorder_cache(self, beam_idx))
     sequences, scores = beam_search(model, prompt)
@@ -255,7 +242,7 @@ def test_greedy_generation_continues_segment_routing(distinct_merged):
     with torch.no_grad():
         full = model(input_ids=greedy, attention_mask=full_mask).logits
     assert torch.equal(full[:, 5:-1].argmax(-1), greedy[:, 6:])
-    cache = model(input_ids=ids[:1], use_cache=True).past_key_values
+    cache = model(input_ids=ids[:1], use_cache=True)[CACHE]
     assert set(cache.segments) == set(range(len(model.mlps())))
 
 

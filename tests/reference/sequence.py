@@ -72,10 +72,11 @@ def scores_of(router, ids, mean_embed, logits, *, router_weight=None, base=None,
 
 def seq_routed(ids: torch.Tensor, experts: list, *, router: str, k: int, temperature: float,
                how: str, shared: bool, router_weight=None, base=None,
-               router_input="rms_mean_embedding", perplexity_score="log_inverse"
-               ) -> torch.Tensor:
+               router_input="rms_mean_embedding", perplexity_score="log_inverse",
+               prompt: int | None = None) -> torch.Tensor:
     """ids [B, T] -> logits [B, T, V]. `shared`: one embedding and head, the plain average of
-    the experts' (a tied expert's head is its embedding); else each expert keeps its own."""
+    the experts' (a tied expert's head is its embedding); else each expert keeps its own.
+    `prompt`: route on the first `prompt` tokens only, as generation after a prompt does."""
     embeds = [embedding(m) for m in experts]
     heads = [head(m) for m in experts]
     if shared:
@@ -85,11 +86,12 @@ def seq_routed(ids: torch.Tensor, experts: list, *, router: str, k: int, tempera
     for x in ids:
         hidden = [final_hidden(m, E[x]) for m, E in zip(experts, embeds, strict=True)]
         logits = [h @ H.T for h, H in zip(hidden, heads, strict=True)]
-        mean_embed = torch.stack([E[x] for E in embeds]).mean(0).mean(0)  # over experts, tokens
+        p = x[:prompt]  # the tokens routed on
+        mean_embed = torch.stack([E[p] for E in embeds]).mean(0).mean(0)  # over experts, tokens
         with torch.enable_grad():
-            s = scores_of(router, x, mean_embed, logits, router_weight=router_weight, base=base,
-                          experts=experts, router_input=router_input,
-                          perplexity_score=perplexity_score)
+            s = scores_of(router, p, mean_embed, [z[:len(p)] for z in logits],
+                          router_weight=router_weight, base=base, experts=experts,
+                          router_input=router_input, perplexity_score=perplexity_score)
         rows.append(mix(routing_weights(s, k, temperature), dict(enumerate(logits)),
                         dict(enumerate(hidden)), how, heads[0]))
     return torch.stack(rows)
@@ -108,9 +110,11 @@ def projector(x: torch.Tensor, tensors: dict, prefix: str) -> torch.Tensor:
 
 
 def bridged(ids: torch.Tensor, experts: list, tensors: dict, *, router: str, k: int,
-            temperature: float, how: str, router_input="rms_mean_embedding") -> torch.Tensor:
+            temperature: float, how: str, router_input="rms_mean_embedding",
+            prompt: int | None = None) -> torch.Tensor:
     """ids [B, T] -> logits [B, T, V]. Shared embedding and head: the experts' zero-padded to
-    the widest width d_m and averaged; expert e runs proj_out(stack_e(proj_in(embed)))."""
+    the widest width d_m and averaged; expert e runs proj_out(stack_e(proj_in(embed))).
+    `prompt`: route on the first `prompt` tokens only, as generation after a prompt does."""
     width = max(embedding(m).shape[1] for m in experts)
     shared_embed = torch.stack([pad_to(embedding(m), width) for m in experts]).mean(0)
     shared_head = torch.stack([pad_to(head(m), width) for m in experts]).mean(0)
@@ -122,8 +126,9 @@ def bridged(ids: torch.Tensor, experts: list, tensors: dict, *, router: str, k: 
             inner = final_hidden(model, projector(embeds, tensors, f"experts.{e}.proj_in"))
             hidden.append(projector(inner, tensors, f"experts.{e}.proj_out"))
         logits = [h @ shared_head.T for h in hidden]
-        s = scores_of(router, x, embeds.mean(0), logits, router_weight=tensors["router.weight"],
-                      router_input=router_input)
+        p = x[:prompt]  # the tokens routed on
+        s = scores_of(router, p, embeds[:len(p)].mean(0), [z[:len(p)] for z in logits],
+                      router_weight=tensors["router.weight"], router_input=router_input)
         rows.append(mix(routing_weights(s, k, temperature), dict(enumerate(logits)),
                         dict(enumerate(hidden)), how, shared_head))
     return torch.stack(rows)
