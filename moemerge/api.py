@@ -39,11 +39,13 @@ from moemerge.plan.sequence import plan_bridged, plan_seq_routed
 from moemerge.plan.sources import SourceModel, check_assembly, open_sources
 from moemerge.plan.upcycle import plan_upcycle, upcycle_sources
 from moemerge.plan.vocab import map_vocabularies
+from moemerge.progress import Stages
 from moemerge.recipe.load import AnyRecipe, load_recipe, parse_recipe
 from moemerge.recipe.merged import MergedExpertsRecipe
 from moemerge.recipe.models import MergeRecipe, MoERecipe
 from moemerge.recipe.sequence import BridgedRecipe, SeqRoutedRecipe
 from moemerge.recipe.upcycle import UpcycleRecipe
+from moemerge.report import human_bytes
 from moemerge.train.calibration import (
     calibrated_routers,
     calibrates,
@@ -156,7 +158,7 @@ def build(
     tensor and the model, an error with `strict`; a non-finite output tensor is refused unless
     `allow_non_finite`. `workers` threads merge at once (the bytes do not depend on it);
     `device` runs the merge arithmetic (e.g. "cuda") while reading and writing stay on the
-    host."""
+    host. `progress` shows each stage as it runs, on stderr."""
     if workers < 1:
         raise RecipeError(f"--workers: must be at least 1, got {workers}")
     if lookahead < 1:
@@ -165,6 +167,7 @@ def build(
     recipe_path = Path(recipe_path)
     out = Path(out) if out is not None else None
     warn = warn or _warn
+    stage = Stages(progress)
     recipe = load_recipe(recipe_path)
     if out is not None and not dry_run:  # before any model is read
         check_output_apart(out, _local_inputs(recipe, recipe_path, tune),
@@ -192,17 +195,20 @@ def build(
         texts = _in_recipe(recipe_path, calibration_texts, recipe.calibration,
                            recipe_path.parent)
     with ExitStack() as stack:
-        models = open_sources(
-            _labelled_refs(recipe), recipe_path.parent, allow_pickle=allow_pickle, stack=stack,
-            compatible=not isinstance(recipe, BridgedRecipe),
-        )
-        vocab_notes: list[str] = []
-        if isinstance(recipe, UpcycleRecipe):  # the experts' FFN slices, made when read
-            models = upcycle_sources(recipe, models)
-        if isinstance(recipe, BridgedRecipe):  # other vocabularies mapped onto the kept one
-            models, vocab_notes = map_vocabularies(models, recipe.tokenizer_index)
-        plan = make_plan(recipe, models)
-        plan.notes[:0] = vocab_notes
+        with stage("reading the models' headers and planning") as found:
+            models = open_sources(
+                _labelled_refs(recipe), recipe_path.parent, allow_pickle=allow_pickle, stack=stack,
+                compatible=not isinstance(recipe, BridgedRecipe),
+            )
+            vocab_notes: list[str] = []
+            if isinstance(recipe, UpcycleRecipe):  # the experts' FFN slices, made when read
+                models = upcycle_sources(recipe, models)
+            if isinstance(recipe, BridgedRecipe):  # other vocabularies mapped onto the kept one
+                models, vocab_notes = map_vocabularies(models, recipe.tokenizer_index)
+            plan = make_plan(recipe, models)
+            plan.notes[:0] = vocab_notes
+            found(f"{len(models)} models, {len(plan.jobs)} output tensors, "
+                  f"{human_bytes(plan.total_bytes)}")
         for message in [*_override_warnings(recipe, models, plan), *plan.notes]:
             warn(message)
         if dry_run or out is None:
@@ -233,12 +239,14 @@ def build(
                     "(from non-finite inputs or merge settings); nothing was written. Pass "
                     "--allow-non-finite to write it anyway.")
 
-        def write(dest: Path, recipe: AnyRecipe, plan: Plan, recipe_text: str) -> None:
+        def write(dest: Path, recipe: AnyRecipe, plan: Plan, recipe_text: str,
+                  what: str = "merging") -> None:
             planned = [(j.output, j.dtype, tuple(j.shape)) for j in plan.jobs]
             with ShardedWriter(dest, planned, max_shard_bytes=max_shard) as writer:
                 jobs = run_jobs(plan, load, make_router, recipe.seed, lookahead=lookahead,
                                 workers=workers, device=device)
-                for job, tensor in _with_progress(jobs, plan, progress):
+                for job, tensor in stage.bar(what, jobs, plan.total_bytes, len(plan.jobs),
+                                             lambda item: item[0].nbytes):
                     check_finite(job.output, tensor)
                     writer.write(job.output, tensor)
             (dest / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
@@ -256,10 +264,11 @@ def build(
             tokenizer = load_tokenizer(_tokenizer_source(recipe, models).path)
             check_length(tokenizer, held_out, tune)
         if texts is not None:  # windows and targets (loss targets run each expert)
-            calibration = _in_recipe(
-                recipe_path, calibration_set, recipe.calibration, texts,
-                load_tokenizer(_tokenizer_source(recipe, models).path),
-                expert_models(recipe, models))
+            with stage("preparing the calibration text"):
+                calibration = _in_recipe(
+                    recipe_path, calibration_set, recipe.calibration, texts,
+                    load_tokenizer(_tokenizer_source(recipe, models).path),
+                    expert_models(recipe, models))
         # once per build, after every check: tuning changes merge parameters, never routers
         make_router = (None if isinstance(recipe, MergeRecipe | MergedExpertsRecipe)
                        else _router_maker(recipe, models))
@@ -270,7 +279,7 @@ def build(
             if tune is not None:
                 untuned = tmp / "untuned"
                 untuned.mkdir()
-                write(untuned, recipe, plan, recipe_text)
+                write(untuned, recipe, plan, recipe_text, "merging an untuned draft")
                 model, _ = load_causal_lm(untuned)
                 tuning = search(model, tokenizer, held_out, plan, load, recipe.seed, tune,
                                 report=on_candidate)
@@ -282,13 +291,16 @@ def build(
                 (tmp / TUNING_FILE).write_text(tuning_json(tuning, tune))
             write(tmp, recipe, plan, recipe_text)
             if calibration is not None:  # fitted on the model just written (routers: placeholders)
-                routers = calibrated_routers(recipe, plan, tmp, calibration)
-                for name, router in routers.items():
-                    check_finite(name, router)
-                overwrite_tensors(tmp, routers)
+                with stage("calibrating the routers") as found:
+                    routers = calibrated_routers(recipe, plan, tmp, calibration)
+                    for name, router in routers.items():
+                        check_finite(name, router)
+                    overwrite_tensors(tmp, routers)
+                    found(f"{len(routers)} routers")
             full = verify == "full" or (verify == "auto" and plan.total_bytes <= FULL_LOAD_LIMIT)
             if full:
-                check_loads(tmp)
+                with stage("checking that the output loads in transformers"):
+                    check_loads(tmp)
         return BuildResult(plan, out, "full" if full else "structure", tuning)
 
 
@@ -339,28 +351,3 @@ def _embed_and_norms(base: SourceModel):
         return base.reader.read(embed), [torch.ones(base.config["hidden_size"])] * layers
     return base.reader.read(embed), [base.reader.read(f"model.layers.{layer}.{norm}")
                                      for layer in range(layers)]
-
-
-def _with_progress(jobs, plan: Plan, enabled: bool):
-    if not enabled:
-        yield from jobs
-        return
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    columns = (
-        TextColumn("[bold]building"), BarColumn(),
-        TextColumn(f"{{task.fields[done]}}/{len(plan.jobs)} tensors"),
-        DownloadColumn(binary_units=True), TransferSpeedColumn(), TimeRemainingColumn(),
-    )
-    with Progress(*columns) as bar:
-        task = bar.add_task("build", total=plan.total_bytes, done=0)
-        for done, (job, tensor) in enumerate(jobs, start=1):
-            yield job, tensor
-            bar.update(task, advance=job.nbytes, done=done)

@@ -105,13 +105,21 @@ class _Reader:
             return self.near / path
         return path
 
+    def looked(self, ref: str) -> str:
+        """Where a relative `ref` was looked for, when that is more than one place."""
+        path = Path(ref).expanduser()
+        if self.near is None or path.is_absolute():
+            return ""
+        return (f" (looked for {self.near / path} next to the recipe and {Path.cwd() / path} "
+                "in the working directory)")
+
     def source(self, ref: str, label: str | None) -> None:
         path = self.local(ref)
         if not path.exists():
             if "/" in ref and not looks_like_path(ref):  # org/name: a bare word is a typo
                 self.dataset(ref, label, saved=False)
                 return
-            raise RecipeError(f"{self.what}: {ref}: no such file or directory")
+            raise RecipeError(f"{self.what}: {ref}: no such file or directory{self.looked(ref)}")
         if path.is_dir() and any((path / marker).is_file() for marker in SAVED_DATASET):
             self.dataset(str(path), label, saved=True)
             return

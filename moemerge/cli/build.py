@@ -43,7 +43,9 @@ def build(
                           "'structure' checks every tensor's name, shape and dtype; 'auto' does "
                           "'full' up to 2 GiB.")
     ] = "auto",
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress: only warnings, "
+                                        "errors and the result (progress goes to stderr, and "
+                                        "only to a terminal).")] = False,
     tune_on: Annotated[
         Optional[Path],  # noqa: UP045
         typer.Option("--tune-on", help="Held-out text (any --data source, docs/data.md): "
@@ -95,8 +97,12 @@ def build(
     ] = None,
 ) -> None:
     """Build a merged dense model or an MoE from RECIPE into OUTPUT."""
-    from moemerge.api import build as run_build
     from moemerge.errors import RecipeError
+    from moemerge.progress import Stages
+
+    progress = not quiet and sys.stderr.isatty()
+    with Stages(progress)("loading torch and transformers"):
+        from moemerge.api import build as run_build
 
     if verify not in ("auto", "full", "structure"):
         raise RecipeError(f"--verify: must be auto, full or structure, got {verify!r}")
@@ -113,7 +119,7 @@ def build(
         )
     result = run_build(
         recipe, output, force=force, dry_run=dry_run, allow_pickle=allow_pickle,
-        verify=verify, progress=not quiet and sys.stderr.isatty(),  # type: ignore[arg-type]
+        verify=verify, progress=progress,  # type: ignore[arg-type]
         tune=tune, on_candidate=None if quiet else _print_candidate, strict=strict,
         allow_non_finite=allow_non_finite, warn=_print_warning, workers=workers,
         lookahead=lookahead, device=device,

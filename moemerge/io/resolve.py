@@ -60,6 +60,14 @@ def resolve_model(ref: str, revision: str | None = None, near: tuple[Path, ...] 
             ) from None
         raise CheckpointError(
             f"{where} is not a local directory and could not be fetched from the Hugging Face "
-            f"hub ({type(exc).__name__}: {exc}). Check the id and your network or token, "
+            f"hub ({type(exc).__name__}: {_first_line(exc)}). Check the id and your network or "
+            "token, "
             "download it with `hf download`, or give a local path."
         ) from None
+
+
+def _first_line(exc: Exception, limit: int = 160) -> str:
+    """The first line of a hub library's error, cut at `limit` characters: its message goes
+    on for paragraphs of advice that are not about moemerge's input."""
+    line = next((part for part in str(exc).splitlines() if part.strip()), "")
+    return line if len(line) <= limit else line[:limit - 1] + "…"

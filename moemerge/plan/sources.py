@@ -12,7 +12,7 @@ from moemerge.architectures import DenseFamily, TensorRole, family_for_config
 from moemerge.errors import CheckpointError, MismatchError
 from moemerge.io.paths import confined
 from moemerge.io.reader import CheckpointReader
-from moemerge.io.resolve import resolve_model
+from moemerge.io.resolve import looks_like_path, resolve_model
 from moemerge.plan.shapes import check_config_shapes
 from moemerge.recipe.models import ModelRef
 
@@ -39,8 +39,9 @@ class SourceModel:
         return f"{self.label} ({self.path})"
 
 
-def resolve_ref(ref: ModelRef, recipe_dir: Path | None) -> Path:
-    """A relative local path is looked up next to the recipe first, then in the working dir."""
+def resolve_ref(ref: ModelRef, recipe_dir: Path | None, hub: bool = True) -> Path:
+    """A relative local path is looked up next to the recipe first, then in the working dir;
+    then, with `hub`, a name that can be a hub id on the hub."""
     if recipe_dir is None or Path(ref.model).is_absolute():
         return resolve_model(ref.model, ref.revision)
     candidate = recipe_dir / ref.model
@@ -54,10 +55,38 @@ def resolve_ref(ref: ModelRef, recipe_dir: Path | None) -> Path:
         raise CheckpointError(f"model directory {_shown(candidate)} does not exist: the bundled "
                               f"recipes use the toy experts; make them first with `moemerge toy "
                               f"{toy}`")
+    looked = (f"looked for the directory {_shown(candidate)} next to the recipe and "
+              f"{_shown(Path.cwd() / ref.model)} in the working directory")
+    if not hub and not Path(ref.model).expanduser().is_dir():
+        raise CheckpointError(f"no such directory ({looked}); as a hub id it is not looked up "
+                              "while a local model is missing")
     try:
         return resolve_model(ref.model, ref.revision, near=(recipe_dir,))
     except CheckpointError as exc:
-        raise CheckpointError(f"{exc} (also looked for the directory {candidate})") from None
+        raise CheckpointError(f"{exc} ({looked})") from None
+
+
+def resolve_refs(refs: list[tuple[str, ModelRef]], recipe_dir: Path | None) -> list[Path]:
+    """The directory of every (label, ref), or one error that names every model not found.
+    Local references are checked first, so no hub download starts before they are known."""
+    near = (recipe_dir,) if recipe_dir is not None else ()
+    local = [looks_like_path(ref.model, near) for _, ref in refs]
+    paths: dict[int, Path] = {}
+    missing: list[str] = []
+    for i in sorted(range(len(refs)), key=lambda i: not local[i]):  # local references first
+        label, ref = refs[i]
+        try:  # no hub download while a local model is missing
+            paths[i] = resolve_ref(ref, recipe_dir, hub=local[i] or not missing)
+        except CheckpointError as exc:
+            missing.append(f"{label}: {exc}")
+    if missing:
+        where = (f"relative paths are read next to the recipe ({_shown(recipe_dir)}), then in "
+                 "the working directory; other names of the form org/name are hub ids"
+                 if recipe_dir is not None else "")
+        raise CheckpointError(f"{len(missing)} of {len(refs)} models not found"
+                              + (f" ({where})" if where else "") + ":\n  - "
+                              + "\n  - ".join(missing))
+    return [paths[i] for i in range(len(refs))]
 
 
 def _bundled(recipe_dir: Path) -> bool:
@@ -88,8 +117,7 @@ def open_sources(
     check_compatible (one architecture, same shapes) says whether they can be combined;
     bridged experts may differ in both (their plan checks what it needs)."""
     models = []
-    for label, ref in refs:
-        path = resolve_ref(ref, recipe_dir)
+    for (label, _), path in zip(refs, resolve_refs(refs, recipe_dir), strict=True):
         reader = stack.enter_context(CheckpointReader(path, allow_pickle=allow_pickle))
         family = family_for_config(reader.config, f"{label} ({path}/config.json)")
         roles = {}

@@ -74,19 +74,57 @@ def test_hub_failure_online_is_a_checkpoint_error(tmp_path, monkeypatch):
 
 def test_bundled_recipe_before_the_toy_experts_says_how_to_make_them(tmp_path, monkeypatch):
     """`build recipes/toy_moe.yaml` before `moemerge toy recipes/toy`: no hub call (toy/base is
-    one `/` and names no existing directory, so only the bundled-recipe rule keeps it local)."""
+    one `/` and names no existing directory, so only the bundled-recipe rule keeps it local).
+    Run on a copy of the bundled recipes without toy/ (a checkout may have made the experts),
+    taken for the bundled directory."""
+    import shutil
+    from importlib import resources
+
+    from moemerge.api import build
+    from moemerge.plan import sources
+
+    bundled = Path(str(resources.files("moemerge") / "recipes"))
+    assert sources._bundled(bundled) and not sources._bundled(tmp_path)
+    checkout = tmp_path / "checkout"
+    shutil.copytree(bundled, checkout / "recipes", ignore=shutil.ignore_patterns("toy"))
+    monkeypatch.setattr(sources, "_bundled", lambda d: d.resolve() == checkout / "recipes")
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: calls.append(a))
+    monkeypatch.chdir(checkout)
+    with pytest.raises(CheckpointError) as caught:
+        build(Path("recipes/toy_moe.yaml"), tmp_path / "out", dry_run=True)
+    assert calls == []
+    assert str(caught.value).startswith("4 of 4 models not found")
+    assert "model directory recipes/toy/base does not exist" in str(caught.value)
+    assert "`moemerge toy recipes/toy`" in str(caught.value)
+
+
+def test_a_copied_recipe_names_every_missing_model_and_where_it_looked(tmp_path, monkeypatch):
+    """A bundled recipe copied elsewhere: one error lists the base and all three experts, says
+    where relative paths are read, and names the places it looked; no hub call is made while a
+    local path is missing (toy/base alone would be a hub id)."""
     from importlib import resources
 
     from moemerge.api import build
 
-    bundled = Path(str(resources.files("moemerge") / "recipes"))
-    if (bundled / "toy").exists():
-        pytest.skip("recipes/toy exists in this checkout")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    recipe = elsewhere / "toy_moe.yaml"
+    text = (Path(str(resources.files("moemerge") / "recipes")) / "toy_moe.yaml").read_text()
+    recipe.write_text(text.replace("init: calibrate", "init: prompts").split("calibration:")[0])
     calls = []
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: calls.append(a))
-    monkeypatch.chdir(bundled.resolve().parent)  # a checkout's root, or site-packages/moemerge
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(CheckpointError) as caught:
-        build(Path("recipes/toy_moe.yaml"), tmp_path / "out", dry_run=True)
+        build(recipe, tmp_path / "out", dry_run=True)
+    message = str(caught.value)
     assert calls == []
-    assert "model directory recipes/toy/base does not exist" in str(caught.value)
-    assert "`moemerge toy recipes/toy`" in str(caught.value)
+    assert message.startswith("4 of 4 models not found (relative paths are read next to the "
+                              "recipe (elsewhere), then in the working directory")
+    for name in ("code", "prose", "math"):
+        assert (f"  - {name}: model directory toy/experts/{name} does not exist (looked for the "
+                f"directory elsewhere/toy/experts/{name} next to the recipe and "
+                f"toy/experts/{name} in the working directory)") in message
+    assert ("  - base: no such directory (looked for the directory elsewhere/toy/base next to "
+            "the recipe and toy/base in the working directory); as a hub id it is not looked "
+            "up while a local model is missing") in message
