@@ -22,7 +22,7 @@ from rich.table import Table
 
 from moemerge.errors import OutputError, RecipeError
 from moemerge.io.atomic import atomic_output_dir
-from moemerge.io.paths import check_output_apart, working_directory
+from moemerge.io.outputs import check_output
 
 MARKER = ".moemerge-demo"
 RECIPES = {"moe": "toy_moe.yaml", "merged": "toy_merge.yaml", "seq": "toy_seq_routed.yaml"}
@@ -50,8 +50,7 @@ def materialise_toy_set(spec, directory: Path, *, force: bool = False, progress:
     from moemerge.toy import cached_toy_experts
     from moemerge.toy.experts import cache_root
 
-    check_output_apart(directory, [("the toy cache", cache_root())],
-                       contained=[working_directory()])
+    check_output(directory, [("the toy cache", cache_root())], force=force, directory=True)
     toyset = cached_toy_experts(spec, progress=progress)
     parts = ("base", "experts", "data")
     size = sum(f.stat().st_size for p in parts for f in (toyset.root / p).rglob("*") if f.is_file())
@@ -64,7 +63,8 @@ def materialise_toy_set(spec, directory: Path, *, force: bool = False, progress:
 def _claim_workdir(workdir: Path) -> None:
     if workdir.exists() and not (workdir / MARKER).exists():
         raise OutputError(
-            f"{workdir} exists and was not made by `moemerge demo`; choose another --workdir"
+            f"{workdir} already exists and was not made by `moemerge demo`; choose another "
+            "--workdir"
         )
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / MARKER).touch()
