@@ -140,7 +140,7 @@ def read_config(directory: Path) -> dict:
     file = directory / "config.json"
     if not file.is_file():
         raise CheckpointError(f"{file} is missing: a model directory needs its config.json")
-    confined(file, directory)
+    confined(Path(file.name), directory)
     try:
         config = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
@@ -152,7 +152,7 @@ def read_config(directory: Path) -> dict:
 
 def indexed_files(index: Path, directory: Path) -> list[Path]:
     """The shards an index's weight_map names, each inside `directory` (links resolved)."""
-    confined(index, directory, "index")
+    confined(Path(index).absolute(), directory, "index")
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,

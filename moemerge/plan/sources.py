@@ -160,7 +160,7 @@ def vocab_fingerprint(path: Path) -> str | None:
     if not file.is_file():
         return None
     try:
-        data = json.loads(confined(file, path).read_text())
+        data = json.loads(confined(Path(file.name), path).read_text())
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -171,7 +171,7 @@ def vocab_fingerprint(path: Path) -> str | None:
 
 def _check_vocab(ref: SourceModel, other: SourceModel) -> None:
     files = [m.path / "tokenizer.json" for m in (ref, other)]
-    if all(f.is_file() for f in files) and len({confined(f, f.parent).read_bytes()
+    if all(f.is_file() for f in files) and len({confined(Path(f.name), f.parent).read_bytes()
                                                 for f in files}) == 1:
         return  # the same file: no need to parse 10-20 MB of JSON twice
     a, b = vocab_fingerprint(ref.path), vocab_fingerprint(other.path)
