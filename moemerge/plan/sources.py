@@ -10,10 +10,11 @@ from pathlib import Path
 
 from moemerge.architectures import DenseFamily, TensorRole, family_for_config
 from moemerge.errors import CheckpointError, MismatchError
+from moemerge.io import jsontext
 from moemerge.io.paths import confined
 from moemerge.io.reader import CheckpointReader
 from moemerge.io.resolve import resolve_model
-from moemerge.plan.shapes import check_config_shapes
+from moemerge.plan.shapes import check_config_shapes, check_config_values
 from moemerge.recipe.models import ModelRef
 
 # config.json keys on which every input model must agree for tensors to line up
@@ -91,6 +92,7 @@ def open_sources(
     for label, ref in refs:
         path = resolve_ref(ref, recipe_dir)
         reader = stack.enter_context(CheckpointReader(path, allow_pickle=allow_pickle))
+        check_config_values(reader.config, f"{label}: {path}")  # before any of it is used
         family = family_for_config(reader.config, f"{label} ({path}/config.json)")
         roles = {}
         for name in reader.names():
@@ -160,7 +162,7 @@ def vocab_fingerprint(path: Path) -> str | None:
     if not file.is_file():
         return None
     try:
-        data = json.loads(confined(Path(file.name), path).read_text())
+        data = jsontext.loads(confined(Path(file.name), path).read_text())
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
