@@ -26,7 +26,8 @@ from moemerge.io.atomic import (
     copy_side_files,
     sweep_output,
 )
-from moemerge.io.paths import check_output_apart, working_directory
+from moemerge.io.outputs import check_output
+from moemerge.io.paths import check_output_apart
 from moemerge.io.writer import ShardedWriter, overwrite_tensors, parse_size
 from moemerge.loading import load_causal_lm
 from moemerge.merge.primitives import count_non_finite
@@ -170,17 +171,15 @@ def build(
     stage = Stages(progress)
     recipe = load_recipe(recipe_path)
     if out is not None and not dry_run:  # before any model is read
-        check_output_apart(out, _local_inputs(recipe, recipe_path, tune),
-                           contained=[("the recipe's directory", recipe_path.absolute().parent),
-                                      working_directory()])
         sweep_output(out)  # what a killed run for this output left
+        # refuse before reading anything; atomic_output_dir checks again at the end
+        check_output(out, _local_inputs(recipe, recipe_path, tune), force=force,
+                     directory=True,
+                     contained=[("the recipe's directory", recipe_path.absolute().parent)])
     try:
         max_shard = parse_size(recipe.output.max_shard_size)
     except ValueError as exc:
         raise RecipeError(f"{recipe_path}: output.max_shard_size: {exc}") from None
-    if out is not None and out.exists() and not force and not dry_run:
-        # refuse before reading anything; atomic_output_dir checks again at the end
-        raise OutputError(f"{out} already exists; pass --force to replace it")
     if tune is not None:
         if not isinstance(recipe, MergeRecipe | MoERecipe):
             raise RecipeError(f"--tune-on: only kind: merge and token-routed kind: moe recipes "

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Literal
 
 from moemerge.errors import RecipeError
+from moemerge.io import jsontext
 from moemerge.io.resolve import looks_like_path
 
 TEXT_SUFFIXES = (".txt", ".md", ".text")
@@ -195,9 +196,11 @@ def _records(path: Path, text_field: str, what: str) -> list[tuple[int, dict]]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = jsontext.loads(line)
         except json.JSONDecodeError as exc:
             raise RecipeError(f"{what}: {path}:{number}: not valid JSON: {exc.msg}") from None
+        except jsontext.HugeNumber as exc:
+            raise RecipeError(f"{what}: {path}:{number}: {exc}") from None
         except RecursionError:
             raise RecipeError(f"{what}: {path}:{number}: the JSON is nested too deeply") from None
         if not isinstance(record, dict) or not isinstance(record.get(text_field), str):

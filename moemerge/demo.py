@@ -22,7 +22,7 @@ from rich.table import Table
 
 from moemerge.errors import OutputError, RecipeError
 from moemerge.io.atomic import atomic_output_dir
-from moemerge.io.paths import check_output_apart, working_directory
+from moemerge.io.outputs import check_output
 
 MARKER = ".moemerge-demo"
 RECIPES = {"moe": "toy_moe.yaml", "merged": "toy_merge.yaml", "seq": "toy_seq_routed.yaml"}
@@ -52,7 +52,7 @@ def materialise_toy_set(spec, directory: Path, *, force: bool = False, progress:
     """Copy the (cached, made on first use) toy experts into `directory`."""
     from moemerge.toy import cached_toy_experts
 
-    _check_apart(directory)
+    _check_apart(directory, force)
     toyset = cached_toy_experts(spec, progress=progress)
     _copy_parts({part: toyset.root / part for part in ("base", "experts", "data")}, directory,
                 force)
@@ -63,16 +63,17 @@ def materialise_pretrained(name: str, directory: Path, *, force: bool = False) -
     """Copy the (cached, converted on first use) real pretrained base into `directory`/base."""
     from moemerge.toy.pretrained import cached_pretrained
 
-    _check_apart(directory)
+    _check_apart(directory, force)
     _copy_parts({"base": cached_pretrained(name)}, directory, force)
     return directory / "base"
 
 
-def _check_apart(directory: Path) -> None:
+def _check_apart(directory: Path, force: bool) -> None:
+    """Before any work: the output rule, with the toy cache as the input it must stay apart
+    from."""
     from moemerge.toy.experts import cache_root
 
-    check_output_apart(directory, [("the toy cache", cache_root())],
-                       contained=[working_directory()])
+    check_output(directory, [("the toy cache", cache_root())], force=force, directory=True)
 
 
 def _copy_parts(parts: dict[str, Path], directory: Path, force: bool) -> None:
@@ -86,7 +87,8 @@ def _copy_parts(parts: dict[str, Path], directory: Path, force: bool) -> None:
 def _claim_workdir(workdir: Path) -> None:
     if workdir.exists() and not (workdir / MARKER).exists():
         raise OutputError(
-            f"{workdir} exists and was not made by `moemerge demo`; choose another --workdir"
+            f"{workdir} already exists and was not made by `moemerge demo`; choose another "
+            "--workdir"
         )
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / MARKER).touch()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.io.atomic import RECIPE_COPY
+from moemerge.io.paths import confined
 from moemerge.io.reader import check_model_dir_confined
 from moemerge.modeling import register
 from moemerge.recipe.load import safe_yaml
@@ -70,7 +71,8 @@ def read_recipe_copy(model_dir: Path | str) -> dict:
     when there is none, or it is not YAML of a mapping: what callers read from it (expert
     names, the recipe's kind) only names or defaults things."""
     try:
-        recipe = safe_yaml((Path(model_dir) / RECIPE_COPY).read_text(), RECIPE_COPY)
-    except (OSError, UnicodeDecodeError, RecipeError):
+        file = confined(Path(RECIPE_COPY), Path(model_dir), "recipe copy")
+        recipe = safe_yaml(file.read_text(), RECIPE_COPY)
+    except (OSError, UnicodeDecodeError, ValueError, RecipeError):
         return {}
     return recipe if isinstance(recipe, dict) else {}

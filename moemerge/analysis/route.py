@@ -51,6 +51,23 @@ def read_prompts(files: list[Path | str], *, split: Split, text_field: str) -> l
     return [doc for d in domains.values() for doc in d.documents + d.held_out if doc.strip()]
 
 
+MAX_EXPERTS = 1024
+
+
+def check_sequence_config(config: dict, file: Path) -> None:
+    """The keys of a sequence-routed config that route reads itself: `experts`, a list of
+    expert configs (objects), and `expert_names`, absent or one string per expert."""
+    experts, names = config.get("experts"), config.get("expert_names")
+    if not (isinstance(experts, list) and 0 < len(experts) <= MAX_EXPERTS
+            and all(isinstance(e, dict) for e in experts)):
+        raise CheckpointError(f"{file}: experts is {repr(experts)[:60]}; it must be a list of "
+                              f"1 to {MAX_EXPERTS} expert configs (objects)")
+    if names is not None and not (isinstance(names, list) and len(names) == len(experts)
+                                  and all(isinstance(n, str) for n in names)):
+        raise CheckpointError(f"{file}: expert_names is {repr(names)[:60]}; it must be a list "
+                              "of one name per expert")
+
+
 @torch.no_grad()
 def route_prompts(model_dir: Path, prompts: list[str], *, router: str | None = None,
                   k: int | None = None, temperature: float | None = None,
@@ -66,6 +83,7 @@ def route_prompts(model_dir: Path, prompts: list[str], *, router: str | None = N
         raise CheckpointError(f"{model_dir}: not a sequence-routed moemerge model (seq_routed or "
                               "bridged); a token-routed MoE routes each token, see `moemerge "
                               "inspect routing MODEL --data ...`")
+    check_sequence_config(config, model_dir / "config.json")
     if k is not None and k > len(config["experts"]):
         raise RecipeError(f"-k {k}: the model has only {len(config['experts'])} experts")
     if router == "task_vector" and not config.get("base"):

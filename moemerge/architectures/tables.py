@@ -90,6 +90,7 @@ class MoELayout:
     shared_expert: str | None = None  # the always-on expert's tensors, `{proj}` filled in
     shared_expert_gate: str | None = None  # its sigmoid gate [1, H]
     llama_cpp_renormalises_topk: bool = True
+    llama_cpp_converts: bool = True  # llama.cpp's convert_hf_to_gguf.py knows the architecture
     holds_biases: bool = True
     num_experts_key: str = "num_experts"
     expert_width_key: str = "intermediate_size"

@@ -45,6 +45,23 @@ def check_convertible(recipe) -> None:
             "not know; GGUF is written for dense merges, upcycles and token-routed MoEs only")
 
 
+def check_layout_converts(config: dict) -> None:
+    """Before any tensor is read (from the planned config.json): an MoE layout llama.cpp's
+    converter does not know is refused, naming those it does."""
+    from moemerge.architectures.tables import moe_layouts
+
+    layouts = moe_layouts().values()
+    architecture = (config.get("architectures") or [None])[0]
+    layout = next((lay for lay in layouts if lay.architecture == architecture), None)
+    if layout is not None and not layout.llama_cpp_converts:
+        converts = ", ".join(f"{lay.name} ({lay.architecture})" for lay in layouts
+                             if lay.llama_cpp_converts)
+        raise RecipeError(f"--gguf: llama.cpp's converter does not know the {layout.name} "
+                          f"layout ({architecture}); it converts dense merges, upcycles and "
+                          f"these token-routed layouts: {converts}. Build without --gguf, or "
+                          "from sources that give one of them")
+
+
 def find_converter(llama_cpp: Path | None) -> list[str]:
     """The command that runs llama.cpp's converter: from --llama-cpp DIR, else $LLAMA_CPP_DIR,
     else the console script on PATH. A RecipeError (exit 2) saying how to get it otherwise."""

@@ -108,7 +108,8 @@ def build(
         raise RecipeError(f"--verify: must be auto, full or structure, got {verify!r}")
     if output is None and not dry_run:
         raise RecipeError("OUTPUT: missing; give an output directory, or --dry-run")
-    converter = _gguf_converter(recipe, gguf, llama_cpp) if gguf is not None else None
+    converter = (_gguf_converter(recipe, gguf, llama_cpp, allow_pickle) if gguf is not None
+                 and not dry_run else None)
     tune = None
     if tune_on is not None:
         from moemerge.tune import TuneOptions
@@ -153,13 +154,24 @@ def build(
                   f"({written.stat().st_size / 2**20:.1f} MiB)")
 
 
-def _gguf_converter(recipe: Path, outtype: str, llama_cpp: Path | None) -> list[str]:
-    """Before any work: the converter's command, or the error saying how to get it."""
-    from moemerge.assemble.gguf import check_convertible, check_outtype, find_converter
+def _gguf_converter(recipe: Path, outtype: str, llama_cpp: Path | None,
+                    allow_pickle: bool) -> list[str]:
+    """Before any tensor is read: the converter's command, or the error saying how to get it,
+    or that the output's layout does not convert (its planned config, from headers only)."""
+    from moemerge.api import build as plan_build
+    from moemerge.assemble.gguf import (
+        check_convertible,
+        check_layout_converts,
+        check_outtype,
+        find_converter,
+    )
     from moemerge.recipe.load import load_recipe
 
     check_outtype(outtype)
     check_convertible(load_recipe(recipe))
+    planned = plan_build(recipe, None, dry_run=True, allow_pickle=allow_pickle,
+                         progress=False, warn=lambda _message: None)
+    check_layout_converts(planned.plan.config)
     return find_converter(llama_cpp)
 
 

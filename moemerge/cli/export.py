@@ -23,13 +23,10 @@ def export(
     """Fold the curvature into the experts, E'_i = E_m + M_i τ_i, and write a model that
     computes the same outputs with no curvature matrices (config curvature: none)."""
     from moemerge.assemble.bake import bake_curvature
-    from moemerge.errors import OutputError
     from moemerge.io.atomic import sweep_output
-    from moemerge.io.paths import check_output_apart, working_directory
+    from moemerge.io.outputs import check_output
 
-    check_output_apart(output, [("the input model", model)], contained=[working_directory()])
     sweep_output(output)  # what a killed export left, even if this one fails
-    if output.exists() and not force:
-        raise OutputError(f"{output} already exists; pass --force to replace it")
+    check_output(output, [("the input model", model)], force=force, directory=True)
     baked = bake_curvature(model, output, force=force)
     out.print(f"[green]exported[/] {output}: curvature folded into {len(baked)} expert tensors")

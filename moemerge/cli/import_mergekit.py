@@ -25,20 +25,38 @@ def import_mergekit(
     """Translate a mergekit config into a moemerge recipe that builds the same model
     (docs/mergekit.md). What it cannot carry is an error, or a note in the recipe's comment
     block."""
-    from moemerge.errors import OutputError
+    from moemerge.io.outputs import check_output, local_inputs, write_output_file
     from moemerge.io.paths import check_output_apart
     from moemerge.recipe.load import load_recipe_data
     from moemerge.recipe.mergekit import convert, render
 
-    if output is not None:
+    if output is not None:  # the config itself, before it is read
         check_output_apart(output, [("the mergekit config", config)])
-    imported = convert(load_recipe_data(config), str(config))
+    data = load_recipe_data(config)
+    # the models it names are inputs of the recipe written: never replaced by it either
+    inputs = [("the mergekit config", config),
+              *local_inputs("a model the config names", _models(data), near=[config.parent])]
+    if output is not None:
+        check_output(output, inputs, force=force, option="--output")
+    imported = convert(data, str(config))
     text = render(imported, config.name)
     if output is None:
         out.print(text, end="", highlight=False, markup=False, soft_wrap=True)
         return
-    if output.exists() and not force:
-        raise OutputError(f"{output} already exists; pass --force to replace it")
-    output.write_text(text)
+    write_output_file(output, text, inputs, force=force, option="--output")
     err.print(f"[green]wrote[/] {output} ({imported.kind}, {len(imported.notes)} note(s) in its "
               "comment block)")
+
+
+MODEL_KEYS = ("model", "base_model", "source_model")  # where mergekit configs name models
+
+
+def _models(data) -> list[str]:
+    """The model references in a loaded mergekit config (any depth)."""
+    if isinstance(data, dict):
+        return [*(v for k, v in data.items() if k in MODEL_KEYS and isinstance(v, str)
+                  and 0 < len(v) < 4096),
+                *(s for v in data.values() for s in _models(v))]
+    if isinstance(data, list):
+        return [s for v in data for s in _models(v)]
+    return []

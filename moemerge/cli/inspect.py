@@ -9,11 +9,15 @@ from typing import Annotated, Optional
 import typer
 
 from moemerge.cli.app import App, Group, app, err, out, reports_errors
+from moemerge.io.outputs import local_inputs
 
 JsonOption = Annotated[
     Optional[str],  # noqa: UP045 - typer needs Optional on 3.10
     typer.Option("--json", help="Write the report as JSON to this file ('-': stdout)."),
 ]
+def force_option(options: str):
+    return Annotated[bool, typer.Option("--force", help=f"Replace the files {options} name if "
+                                        "they exist.")]
 
 
 class InspectGroup(Group):
@@ -65,6 +69,7 @@ def task_vectors(
                            "weights_only=True). Only for files you trust.")
     ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+    force: force_option("--json, --plot and --markdown") = False,
 ) -> None:
     """Task-vector report (the default of `inspect`): per layer and role, how the experts'
     changes from BASE relate (cosine, sign conflicts, norms), and what that means for merging
@@ -88,6 +93,11 @@ def task_vectors(
         base, experts = models[0], models[1:]
     if plot is not None and len(experts) < 2:
         raise RecipeError("--plot: cosine heatmaps need at least two experts")
+    near = [recipe.parent] if recipe is not None else []
+    inputs = [*local_inputs("the input model", [getattr(m, "model", m) for m in (base, *experts)],
+                            near=near),
+              *([("the recipe", recipe)] if recipe is not None else [])]
+    files = ReportFiles(inputs, force, json=json_path, plot=plot, markdown=markdown)
     report = task_vector_report(
         base, experts, density=density, allow_pickle=allow_pickle,
         recipe_dir=recipe.parent if recipe is not None else None,
@@ -97,14 +107,9 @@ def task_vectors(
     for table in tables(report):
         console.print(table)
     console.print(f"[bold]verdict:[/] {verdict(report)}", highlight=False)
-    if json_path is not None:
-        _write_json(json_path, json.dumps(to_dict(report), indent=2) + "\n", "report")
-    if markdown is not None:
-        markdown.write_text(to_markdown(report))
-        _wrote(markdown, "the tables and verdict as markdown")
-    if plot is not None:
-        plot_png(report, plot)
-        _wrote(plot, "cosine heatmaps")
+    files.json(json.dumps(to_dict(report), indent=2) + "\n", "report")
+    files.write("--markdown", to_markdown(report), "the tables and verdict as markdown")
+    files.write("--plot", lambda path: plot_png(report, path), "cosine heatmaps")
 
 
 @inspect_app.command("routing")
@@ -126,6 +131,7 @@ def routing(
     json_path: JsonOption = None,
     plot: Annotated[Optional[Path], typer.Option(  # noqa: UP045
         help="Write routing bars and a heatmap per domain to this PNG.")] = None,
+    force: force_option("--json and --plot") = False,
 ) -> None:
     """Routing report: route each domain's text through the built MoE MODEL and report each
     expert's share of its tokens per layer, and the perplexity (docs/inspect.md)."""
@@ -133,6 +139,8 @@ def routing(
     from moemerge.analysis.routing_render import layer_table, summary_table
     from moemerge.analysis.routing_render import plot as plot_png
 
+    inputs = [("the input model", model), *local_inputs("--data", data)]
+    files = ReportFiles(inputs, force, json=json_path, plot=plot)
     report = routing_report_from_dir(model, data, label_field=label_field,
                                      text_field=text_field, seq_len=seq_len,
                                      max_tokens=max_tokens)
@@ -140,23 +148,38 @@ def routing(
     console.print(summary_table(report))
     if per_layer:
         console.print(layer_table(report))
-    if json_path is not None:
-        _write_json(json_path, report.to_json(), "routing report")
-    if plot is not None:
-        plot_png(report, plot)
-        _wrote(plot, "routing bars and heatmaps")
+    files.json(report.to_json(), "routing report")
+    files.write("--plot", lambda path: plot_png(report, path), "routing bars and heatmaps")
 
 
-def _write_json(json_path: str, text: str, what: str) -> None:
-    if json_path == "-":
-        sys.stdout.write(text)
-    else:
-        Path(json_path).write_text(text)
-        _wrote(Path(json_path), f"the {what} as JSON")
+class ReportFiles:
+    """The report files a command was asked for (option -> path), checked under moemerge's
+    output rule (moemerge.io.outputs) before the report is computed, and written under it."""
 
+    def __init__(self, inputs, force: bool, **paths):
+        from moemerge.io.outputs import check_output, plot_suffixes
 
-def _wrote(path: Path, what: str) -> None:
-    """Say what a file option wrote, on stderr (stdout may be the JSON)."""
-    from rich.markup import escape
+        self.inputs, self.force = inputs, force
+        self.paths = {f"--{k}": Path(v) for k, v in paths.items() if v is not None and v != "-"}
+        self.stdout = paths.get("json") == "-"
+        for option, path in self.paths.items():
+            check_output(path, inputs, force=force, option=option,
+                         suffixes=plot_suffixes() if option == "--plot" else None)
 
-    err.print(f"wrote {what} to {escape(str(path))}", highlight=False)
+    def json(self, text: str, what: str) -> None:
+        if self.stdout:
+            sys.stdout.write(text)
+        self.write("--json", text, f"the {what} as JSON")
+
+    def write(self, option: str, content, what: str) -> None:
+        """Write `content` (text, or a function writing the path it is given) to `option`'s
+        file, if one was asked for; say so on stderr (stdout may be the JSON)."""
+        from rich.markup import escape
+
+        from moemerge.io.outputs import write_output_file
+
+        if option not in self.paths:
+            return
+        path = write_output_file(self.paths[option], content, self.inputs, force=self.force,
+                                 option=option)
+        err.print(f"wrote {what} to {escape(str(path))}", highlight=False)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -11,6 +10,8 @@ import typer
 from rich.markup import escape
 
 from moemerge.cli.app import app, err, out, reports_errors
+from moemerge.cli.inspect import ReportFiles
+from moemerge.io.outputs import local_inputs
 
 PREVIEW = 60  # characters of each prompt shown in the table
 
@@ -50,6 +51,8 @@ def route(
         Optional[str],  # noqa: UP045
         typer.Option("--json", help="Write the routing as JSON to this file ('-': stdout)."),
     ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace the --json file if it exists.")
+                     ] = False,
 ) -> None:
     """Print, for each prompt, the experts it is routed to and their weights.
 
@@ -69,6 +72,8 @@ def route(
         raise RecipeError(f"--router: must be learned, perplexity or task_vector, got {router!r}")
     if temperature is not None and not temperature > 0:
         raise RecipeError(f"--temperature: must be > 0, got {temperature:g}")
+    files = ReportFiles([("the input model", model), *local_inputs("PROMPTS", prompts)], force,
+                        json=json_path)
     texts = read_prompts(prompts, split=split, text_field=text_field)
     report = route_prompts(model, texts, router=router, k=k, temperature=temperature,
                            max_tokens=max_tokens)
@@ -93,10 +98,7 @@ def route(
               for name in report.experts}
     console.print("first choice: " + ", ".join(f"{n} {c}" for n, c in counts.items()),
                   highlight=False)
-    if json_path == "-":
-        sys.stdout.write(report.to_json())
-    elif json_path is not None:
-        Path(json_path).write_text(report.to_json())
+    files.json(report.to_json(), "routing")
 
 
 def expert_cell(e: dict) -> str:

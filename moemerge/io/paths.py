@@ -34,8 +34,10 @@ def hub_blob_store(directory: Path) -> Path | None:
 
 
 def confined(file: Path, directory: Path, what: str = "file") -> Path:
-    """`file` (absolute, or relative to `directory`) with its links resolved, if it stays inside
-    `directory` (or the hub blob store of a snapshot); CheckpointError naming both otherwise."""
+    """`file` (absolute, or relative to `directory`: a name in it, never a path that already
+    starts with a relative `directory`, which would be joined twice and miss every link) with
+    its links resolved, if it stays inside `directory` (or the hub blob store of a snapshot);
+    CheckpointError naming both otherwise. Returns `directory / file`."""
     root = real(directory)
     target = real(Path(directory) / file)
     allowed = [root] + [b for b in (hub_blob_store(Path(directory).absolute()),
@@ -48,8 +50,10 @@ def confined(file: Path, directory: Path, what: str = "file") -> Path:
 
 
 def check_tree_confined(tree: Path, directory: Path) -> None:
-    """Every entry under `tree` (a directory to be copied) stays inside `directory`."""
-    confined(tree, directory, "directory")
+    """Every entry under `tree` (a directory to be copied, or a file; as the caller has it,
+    e.g. `model/extras`) stays inside `directory`."""
+    tree = Path(tree).absolute()  # not joined to a relative `directory` a second time
+    confined(tree, directory, "directory" if tree.is_dir() else "file")
     for parent, dirs, files in os.walk(tree):  # links are not followed; each is checked
         for name in dirs + files:
             confined(Path(parent) / name, directory)

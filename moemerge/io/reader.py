@@ -10,7 +10,6 @@ are the exception: `torch.load(mmap=True)`, each tensor copied out of the mappin
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 
 from moemerge.errors import CheckpointError
+from moemerge.io import jsontext
 from moemerge.io.paths import check_tree_confined, confined
 
 # safetensors dtype strings -> torch dtypes (the writer uses the inverse map)
@@ -70,8 +70,8 @@ def read_safetensors_header(file: Path) -> dict[str, TensorMeta]:
             if length > MAX_HEADER_BYTES:
                 raise CheckpointError(f"{file}: its header claims {length} bytes, more than "
                                       f"the {MAX_HEADER_BYTES} a safetensors header may have")
-            header = json.loads(f.read(length))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            header = jsontext.loads(f.read(length))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise CheckpointError(f"{file}: cannot read the safetensors header: {exc}") from None
     except RecursionError:  # JSON nested thousands deep
         raise CheckpointError(f"{file}: the safetensors header is nested too deeply") from None
@@ -140,10 +140,12 @@ def read_config(directory: Path) -> dict:
     file = directory / "config.json"
     if not file.is_file():
         raise CheckpointError(f"{file} is missing: a model directory needs its config.json")
-    confined(file, directory)
+    confined(Path(file.name), directory)
     try:
-        config = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        config = jsontext.loads(file.read_text())
+    except jsontext.HugeNumber as exc:
+        raise CheckpointError(f"{file}: {exc}") from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{file} is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{file} is not a JSON object")
@@ -152,11 +154,13 @@ def read_config(directory: Path) -> dict:
 
 def indexed_files(index: Path, directory: Path) -> list[Path]:
     """The shards an index's weight_map names, each inside `directory` (links resolved)."""
-    confined(index, directory, "index")
+    confined(Path(index).absolute(), directory, "index")
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
-            RecursionError) as exc:
+        weight_map = jsontext.loads(index.read_text())["weight_map"]
+    except KeyError:
+        raise CheckpointError(f"{index} is not a valid index: it has no weight_map (which "
+                              "tensor is in which file)") from None
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, RecursionError) as exc:
         raise CheckpointError(f"{index} is not a valid index: {str(exc)[:200]}") from None
     if not isinstance(weight_map, dict) or not all(
             isinstance(f, str) and f for f in weight_map.values()):

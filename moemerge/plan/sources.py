@@ -10,10 +10,11 @@ from pathlib import Path
 
 from moemerge.architectures import DenseFamily, TensorRole, family_for_config
 from moemerge.errors import CheckpointError, MismatchError
+from moemerge.io import jsontext
 from moemerge.io.paths import confined
 from moemerge.io.reader import CheckpointReader
 from moemerge.io.resolve import looks_like_path, resolve_model
-from moemerge.plan.shapes import check_config_shapes
+from moemerge.plan.shapes import check_config_shapes, check_config_values
 from moemerge.recipe.models import ModelRef
 
 # config.json keys on which every input model must agree for tensors to line up
@@ -119,6 +120,7 @@ def open_sources(
     models = []
     for (label, _), path in zip(refs, resolve_refs(refs, recipe_dir), strict=True):
         reader = stack.enter_context(CheckpointReader(path, allow_pickle=allow_pickle))
+        check_config_values(reader.config, f"{label}: {path}")  # before any of it is used
         family = family_for_config(reader.config, f"{label} ({path}/config.json)")
         roles = {}
         for name in reader.names():
@@ -188,7 +190,7 @@ def vocab_fingerprint(path: Path) -> str | None:
     if not file.is_file():
         return None
     try:
-        data = json.loads(confined(file, path).read_text())
+        data = jsontext.loads(confined(Path(file.name), path).read_text())
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -199,7 +201,7 @@ def vocab_fingerprint(path: Path) -> str | None:
 
 def _check_vocab(ref: SourceModel, other: SourceModel) -> None:
     files = [m.path / "tokenizer.json" for m in (ref, other)]
-    if all(f.is_file() for f in files) and len({confined(f, f.parent).read_bytes()
+    if all(f.is_file() for f in files) and len({confined(Path(f.name), f.parent).read_bytes()
                                                 for f in files}) == 1:
         return  # the same file: no need to parse 10-20 MB of JSON twice
     a, b = vocab_fingerprint(ref.path), vocab_fingerprint(other.path)

@@ -78,8 +78,9 @@ def load_tokenizer_file(model: SourceModel):
         raise RecipeError(f"tokenizer: the experts' vocabularies differ, and mapping them needs "
                           f"each expert's {TOKENIZER_FILE}, but {file} ({model.label}) is "
                           "missing; save the expert's fast tokenizer next to its weights")
+    confined(file.relative_to(model.path), model.path)
     try:
-        return Tokenizer.from_str(confined(file, model.path).read_text())
+        return Tokenizer.from_str(file.read_text())
     except Exception as exc:  # unreadable, not JSON, not a tokenizer
         raise CheckpointError(f"{file} is not a valid tokenizer file: {str(exc)[:200]}") from None
 

@@ -86,6 +86,7 @@ def safe_yaml(text: str, source: str) -> object:
             raise RecipeError(f"{source}: YAML aliases would expand the recipe by more than "
                               f"{ALIAS_BUDGET} nodes (a recursive or \"billion laughs\" alias); "
                               "refused")
+        _check_numbers(node, source)
         return loader.construct_document(node)
     except yaml.YAMLError as exc:
         raise RecipeError(f"{source}: not valid YAML: {str(exc)[:500]}") from None
@@ -93,6 +94,33 @@ def safe_yaml(text: str, source: str) -> object:
         raise RecipeError(f"{source}: the YAML is nested too deeply") from None
     finally:
         loader.dispose()
+
+
+MAX_INT_CHARS = 4000  # Python converts at most 4300 digits to an int (a bare ValueError)
+
+
+def _check_numbers(root: yaml.Node, source: str) -> None:
+    """Refuse, naming the key and the line, an integer too long for Python to convert (the
+    loader would raise a ValueError naming nothing); no field takes one."""
+    seen: set[int] = set()
+    stack: list[tuple[yaml.Node, str]] = [(root, "")]
+    while stack:
+        node, where = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.ScalarNode):
+            if node.tag.endswith(":int") and len(node.value) > MAX_INT_CHARS:
+                raise RecipeError(f"{source}: line {node.start_mark.line + 1}: "
+                                  f"{where or 'the document'}: an integer of {len(node.value)} "
+                                  "digits; no field takes a number that large")
+        elif isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                name = key.value if isinstance(key, yaml.ScalarNode) else "?"
+                stack.append((key, where))
+                stack.append((value, f"{where}.{name}" if where else str(name)[:80]))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(node.value))
 
 
 def _children(node: yaml.Node) -> list[yaml.Node]:

@@ -57,8 +57,9 @@ class CalibrationSpec(Strict):
                             "domain named after its expert (`name=path`, or a directory of "
                             "files named after the experts), or one mixed text whose targets "
                             "are the experts' per-token losses.")
-    max_tokens: int = Field(default=4096, gt=0, description="Tokens read per domain.")
-    seq_len: int = Field(default=128, gt=1, description="Tokens per calibration window.")
+    max_tokens: int = Field(default=4096, gt=0, le=2**40, description="Tokens read per domain.")
+    seq_len: int = Field(default=128, gt=1, le=2**20, description="Tokens per calibration "
+                         "window.")
     text_field: str = Field(default="text", min_length=1, description="Field of .jsonl "
                             "records holding the text.")
     targets: Literal["auto", "domain", "loss"] = Field(

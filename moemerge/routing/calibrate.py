@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moemerge.routing.modules import find_routers
+from moemerge.routing.modules import find_routers, layout_of
 from moemerge.routing.ridge import decisive_scale, fit_router, held_out_windows
 
 BATCH = 8  # windows per forward
@@ -96,12 +96,15 @@ def _solve(x: torch.Tensor, y: torch.Tensor, window: torch.Tensor, confidence: f
 
 
 def token_gates(model, num_experts: int) -> list[torch.nn.Module]:
-    """Each decoder layer's router module (weight [E, H], named `gate`), in layer order."""
+    """Each decoder layer's router module (weight [E, H], found by the layout's router name in
+    the architectures table), in layer order."""
     found = find_routers(model, num_experts)
     layers = [layer for layer, _ in found]
     if layers != list(range(len(model.model.layers))):
-        raise ValueError(f"expected one router named 'gate' with {num_experts} rows per "
-                         f"decoder layer, found them in layers {layers}")
+        layout = layout_of(model)
+        named = f"{layout.name}'s router {layout.router}" if layout else "a router"
+        raise ValueError(f"expected {named} with {num_experts} rows in every decoder layer, "
+                         f"found it in layers {layers}")
     return [router for _, router in found]
 
 

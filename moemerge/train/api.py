@@ -17,6 +17,7 @@ from rich.console import Console
 from moemerge.data import read_domains
 from moemerge.errors import OutputError, RecipeError
 from moemerge.io.atomic import check_free_space, sweep_output, sweep_stale
+from moemerge.io.outputs import check_output
 from moemerge.io.paths import check_output_apart, working_directory
 from moemerge.io.reader import CheckpointReader
 from moemerge.loading import load_causal_lm
@@ -59,13 +60,11 @@ def _check_outputs(cfg: TrainConfig, ctx: distributed.Dist, config_file: Path | 
     inputs = [("the input model", Path(cfg.model)),
               *[("--data", path) for path in data if path.exists()],  # not hub ids
               *([("the config file", config_file)] if config_file is not None else [])]
-    for target in (out, root):  # --force deletes both: neither may hold an input
-        check_output_apart(target, inputs, contained=[working_directory()])
+    check_output_apart(root, inputs, contained=[working_directory()])  # --force deletes it
     if ctx.main:  # what a killed run for this output left
         sweep_output(out)
         sweep_stale(root, checkpoint.TMP_PREFIX)
-    if out.exists() and not cfg.force:
-        raise OutputError(f"{out} already exists; pass --force to replace it")
+    check_output(out, inputs, force=cfg.force, directory=True)
     if root.exists() and not cfg.resume and checkpoint.latest(root) is not None:
         if not cfg.force:
             raise OutputError(f"{root} holds checkpoints of an earlier run; pass --resume to "

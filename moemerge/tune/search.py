@@ -65,6 +65,9 @@ def read_held_out(path: Path | str) -> str:
 def check_options(opts: TuneOptions) -> None:
     if not opts.lambdas:
         raise RecipeError("--tune-lambdas: give at least one value")
+    if not all(lam >= 0 for lam in opts.lambdas):
+        raise RecipeError(f"--tune-lambdas: each must be >= 0 (the scale of the task vectors "
+                          f"added to the base), got {list(opts.lambdas)}")
     if not opts.densities or not all(0.0 < d <= 1.0 for d in opts.densities):
         raise RecipeError(f"--tune-densities: each must be in (0, 1], got {list(opts.densities)}")
     if opts.seq_len < 1 or opts.max_tokens < opts.seq_len + 1:

@@ -132,3 +132,25 @@ def test_real_conversion_writes_a_mixtral_gguf(tmp_path):
     assert int(reader.fields["llama.expert_count"].parts[-1][0]) == 3
     shapes = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
     assert shapes["blk.0.ffn_gate_exps.weight"] == (32, 64, 3)  # ggml order: hidden, ffn, E
+
+
+def test_a_layout_llama_cpp_cannot_convert_is_refused_before_any_tensor_is_read(
+        model_factory, tmp_path, no_converter, monkeypatch):
+    """FlexOlmo (from OLMo-2 sources): llama.cpp's converter has no FlexOlmoForCausalLM. The
+    refusal names the layouts that convert, comes before the converter is looked for, and
+    reads headers only."""
+    from moemerge.architectures.tables import moe_layouts
+    from moemerge.io.reader import CheckpointReader
+
+    def no_tensor(self, name):
+        raise AssertionError(f"tensor {name} read")
+
+    monkeypatch.setattr(CheckpointReader, "read", no_tensor)
+    code, text = run("build", recipe(tmp_path, model_factory("olmo2"),
+                                     "experts_per_token: 1\n"), tmp_path / "out", "--gguf", "f16")
+    text = " ".join(text.split())
+    assert code == 2 and "does not know the flex_olmo layout (FlexOlmoForCausalLM)" in text, text
+    converts = [lay.name for lay in moe_layouts().values() if lay.llama_cpp_converts]
+    assert converts and "flex_olmo" not in converts
+    assert all(f"{name} (" in text for name in converts), text
+    assert not (tmp_path / "out").exists()

@@ -52,7 +52,7 @@ def convert_moe(data: dict, notes: list[str]) -> dict:
         recipe["name"] = data["name"]
     recipe["base_model"] = model_ref(data["base_model"])
     recipe["experts"] = experts
-    recipe["experts_per_token"] = int(data.get("experts_per_token", 2))
+    recipe["experts_per_token"] = _experts_per_token(data.get("experts_per_token", 2))
     recipe["merge"] = {"method": "base"}
     recipe["router"] = router
     if data.get("dtype"):
@@ -83,3 +83,14 @@ def _expert(data: dict, i: int) -> dict:
         if data.get(key):
             out[key] = list(data[key])
     return out
+
+
+def _experts_per_token(value: object) -> int:
+    """A whole number of experts (mergekit-moe writes 2 or 2.0), at least 1; anything else
+    (inf, NaN, 1e400, a string, a bool) is an error naming the key."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise RecipeError(f"experts_per_token: must be a whole number of experts, at least 1, "
+                          f"got {str(value)[:40]!r}")
+    return value

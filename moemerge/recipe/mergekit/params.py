@@ -128,5 +128,8 @@ def _scalar(value, where: str):
         if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
             raise RecipeError(f"{where}: a gradient of non-numbers ({value!r}) cannot be "
                               "imported")
-        return [float(v) for v in value]
+        try:
+            return [float(v) for v in value]
+        except OverflowError:
+            raise RecipeError(f"{where}: a gradient value is too large for a float") from None
     return value
