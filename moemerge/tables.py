@@ -82,8 +82,15 @@ class Fitted:
         self.columns, self.rows, self.title, self.caption = columns, rows, title, caption
 
     def __rich_console__(self, console, options):
-        yield from fitted(self.columns, self.rows, title=self.title, caption=self.caption,
-                          width=options.max_width)
+        for table in fitted(self.columns, self.rows, title=self.title, caption=self.caption,
+                            width=options.max_width):
+            # title above and caption below, wrapped at the console's width, not the table's
+            title, caption, table.title, table.caption = table.title, table.caption, None, None
+            if title:
+                yield Text.from_markup(str(title), style="table.title")
+            yield table
+            if caption:
+                yield Text.from_markup(str(caption), style="table.caption")
 
 
 def fitted(columns: list[Column], rows: list[list[str]], *, title: str | None = None,
