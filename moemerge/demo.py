@@ -18,11 +18,11 @@ from importlib import resources
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from moemerge.errors import OutputError, RecipeError
 from moemerge.io.atomic import atomic_output_dir
 from moemerge.io.outputs import check_output
+from moemerge.tables import Fitted
 
 MARKER = ".moemerge-demo"
 RECIPES = {"moe": "toy_moe.yaml", "merged": "toy_merge.yaml", "seq": "toy_seq_routed.yaml"}
@@ -94,7 +94,7 @@ def _claim_workdir(workdir: Path) -> None:
     (workdir / MARKER).touch()
 
 
-def run_demo(workdir: Path, *, preset_name: str = "demo", console: Console | None = None) -> Table:
+def run_demo(workdir: Path, *, preset_name: str = "demo", console: Console | None = None) -> Fitted:
     """Make the toy experts, build the bundled recipes, return the perplexity table."""
     from moemerge.api import build
     from moemerge.eval.perplexity import (
@@ -132,5 +132,5 @@ def run_demo(workdir: Path, *, preset_name: str = "demo", console: Console | Non
                          title=f"perplexity per domain ({workdir})")
     # the toy models share one tokenizer, so one count holds for every row
     counts = window_counts(load_tokenizer(toy / "base"), texts, **windows)
-    table.caption, table.caption_justify = windows_note(counts, **windows), "left"
+    table.caption = windows_note(counts, **windows)
     return table

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from moemerge.plan.jobs import Plan
 
@@ -30,17 +31,36 @@ def plan_lines(plan: Plan) -> list[str]:
     return ["\t".join(row) for row in _plan_rows(plan, "x")]
 
 
-def plan_table(plan: Plan) -> Table:
+def plan_table(plan: Plan) -> PlanView:
     """Every output tensor in write order with its shape, dtype and how it is made."""
-    table = Table(
-        title=f"plan: {len(plan.jobs)} tensors, {human_bytes(plan.total_bytes)}, "
-        f"inputs: {escape(', '.join(plan.labels))}",
-        title_justify="left",
-    )
-    table.add_column("tensor", overflow="fold")
-    table.add_column("shape")
-    table.add_column("dtype")
-    table.add_column("operation", overflow="fold")
-    for row in _plan_rows(plan, "×"):
-        table.add_row(*map(escape, row))  # names and paths are the user's, not markup
-    return table
+    return PlanView(plan)
+
+
+class PlanView:
+    """The plan for the console it is printed on: a table (tensor, shape, dtype, operation)
+    when it fits whole, else one tensor per line with its shape, dtype and operation indented
+    on the next, so no tensor name is broken across lines or cut."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.title = (f"plan: {len(plan.jobs)} tensors, {human_bytes(plan.total_bytes)}, "
+                      f"inputs: {', '.join(plan.labels)}")
+        self.rows = _plan_rows(plan, "×")
+
+    def __rich_console__(self, console, options):
+        widths = [max([len(h), *(len(r[i]) for r in self.rows)])
+                  for i, h in enumerate(("tensor", "shape", "dtype", "operation"))]
+        if sum(widths) + 3 * len(widths) + 1 <= options.max_width:
+            table = Table(title=escape(self.title), title_justify="left")
+            for header, width in zip(("tensor", "shape", "dtype", "operation"), widths,
+                                     strict=True):
+                table.add_column(header, width=width)
+            for row in self.rows:
+                table.add_row(*map(escape, row))  # names and paths are the user's, not markup
+            yield table
+            return
+        yield Text(self.title, style="italic")
+        shape, dtype = widths[1], widths[2]
+        for tensor, *details in self.rows:
+            yield Text(tensor, style="bold")
+            yield Text(f"    {details[0]:<{shape}}  {details[1]:<{dtype}}  {details[2]}")

@@ -6,11 +6,11 @@ import math
 from pathlib import Path
 
 from rich.markup import escape
-from rich.table import Table
 
 from moemerge.analysis.task_vectors import GroupResult, TaskVectorReport
 from moemerge.analysis.verdict import verdict
 from moemerge.io.resolve import looks_like_path
+from moemerge.tables import Column, Fitted
 
 SCHEMA = "moemerge.inspect/1"  # bump when a key changes meaning or disappears (docs/inspect.md)
 
@@ -84,21 +84,43 @@ def _rows(report: TaskVectorReport, groups: list[GroupResult], summary: bool) ->
     return header, rows
 
 
-def tables(report: TaskVectorReport) -> tuple[Table, Table]:
-    """Per (role, layer) table and per-role summary table, for the terminal."""
-    out = []
-    for title, groups, summary in (
-        ("task vectors per layer", report.groups, False),
-        ("per role (all layers)", list(report.summary.values()), True),
-    ):
-        header, rows = _rows(report, groups, summary)
-        table = Table(title=title, title_justify="left")
-        for i, h in enumerate(header):
-            table.add_column(h, justify="left" if i < (1 if summary else 2) else "right")
-        for row in rows:
-            table.add_row(*map(escape, row))
-        out.append(table)
-    return out[0], out[1]
+def _layer(g: GroupResult) -> str:
+    return "global" if g.layer is None else str(g.layer)
+
+
+def tables(report: TaskVectorReport) -> list[Fitted]:
+    """The terminal's tables, each fitting the console without cutting a number: per layer
+    and per role, how the experts' task vectors relate, then each expert's ‖τ‖/‖W‖ (per role
+    with its TIES-trimmed mass). An expert column that does not fit goes to a further table;
+    a long expert name is shown as E1, E2, ... with a legend. `--markdown` has the same values
+    in the wide tables of `_rows`."""
+    experts = [Column(name, short=f"E{i + 1}") for i, name in enumerate(report.names)]
+    pair_stats = [Column(h) for h in ("mean cos", "min cos", "sign conflict",
+                                      "all-sign conflict")]
+    role, layer = Column("role", "left", key=True), Column("layer", "left", key=True)
+    per_layer, per_role = report.groups, list(report.summary.values())
+
+    def pairs(g: GroupResult) -> list[str]:
+        return [_fmt(g.mean_cosine(), "cos"), _fmt(g.min_cosine(), "cos"),
+                _fmt(g.mean_sign_conflict(), "pct"), _fmt(g.all_sign_conflict, "pct")]
+
+    def norm_and_mass(g: GroupResult) -> list[str]:
+        return [f"{_fmt(n, 'norm')} ({_fmt(m, 'pct')})"
+                for n, m in zip(g.relative_norm, g.ties_trimmed_mass, strict=True)]
+
+    layout = [
+        ("task vectors per layer: between experts", [role, layer, *pair_stats],
+         [[g.role, _layer(g), *pairs(g)] for g in per_layer]),
+        ("task vectors per layer: ‖τ‖/‖W‖ of each expert", [role, layer, *experts],
+         [[g.role, _layer(g), *(_fmt(x, "norm") for x in g.relative_norm)] for g in per_layer]),
+        ("per role (all layers): between experts", [role, *pair_stats],
+         [[g.role, *pairs(g)] for g in per_role]),
+        (f"per role (all layers): ‖τ‖/‖W‖ of each expert (TIES-trimmed mass "
+         f"@{report.density:g})", [role, *experts],
+         [[g.role, *norm_and_mass(g)] for g in per_role]),
+    ]
+    return [Fitted(columns, [[escape(c) for c in row] for row in rows], title=title)
+            for title, columns, rows in layout]
 
 
 def _public(ref: str) -> str:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.markup import escape
-from rich.table import Table
 
 from moemerge.analysis.routing import RoutingReport
 from moemerge.eval.perplexity import windows_note
+from moemerge.tables import Column, Fitted
 
 
 def _shares(values: list[float]) -> list[str]:
@@ -41,35 +41,31 @@ def _units(report: RoutingReport) -> str:
     return "sequences" if report.level == "sequence" else "tokens"
 
 
-def summary_table(report: RoutingReport) -> Table:
-    """Rows = domains; columns = each expert's share averaged over layers, tokens, perplexity."""
+def _experts(report: RoutingReport) -> list[Column]:
+    return [Column(label, short=f"E{i + 1}") for i, label in enumerate(report.labels)]
+
+
+def summary_table(report: RoutingReport) -> Fitted:
+    """Rows = domains; columns = each expert's share averaged over layers, tokens, perplexity
+    (as many tables as the console's width needs, none cutting a number)."""
     over = f", mean over {len(report.layers)} layers" if _layered(report) else ""
-    table = Table(title=_title(report, over), title_justify="left")
-    table.add_column("domain")
-    for label in report.labels:
-        table.add_column(escape(label), justify="right")
-    table.add_column(_units(report), justify="right")
-    table.add_column("perplexity", justify="right")
-    for name, d in report.domains.items():
-        table.add_row(escape(name), *_shares(d.mean_share), str(d.tokens), f"{d.perplexity:.2f}")
+    columns = [Column("domain", "left", key=True), *_experts(report),
+               Column(_units(report)), Column("perplexity")]
+    rows = [[escape(name), *_shares(d.mean_share), str(d.tokens), f"{d.perplexity:.2f}"]
+            for name, d in report.domains.items()]
+    caption = None
     if report.windows:
-        table.caption = windows_note(report.windows["count"], seq_len=report.windows["seq_len"],
-                                     max_tokens=report.windows["max_tokens"])
-        table.caption_justify = "left"
-    return table
+        caption = windows_note(report.windows["count"], seq_len=report.windows["seq_len"],
+                               max_tokens=report.windows["max_tokens"])
+    return Fitted(columns, rows, title=_title(report, over), caption=caption)
 
 
-def layer_table(report: RoutingReport) -> Table:
+def layer_table(report: RoutingReport) -> Fitted:
     """Rows = (domain, layer); columns = each expert's share in that layer."""
-    table = Table(title=_title(report, ", per layer"), title_justify="left")
-    table.add_column("domain")
-    table.add_column("layer", justify="right")
-    for label in report.labels:
-        table.add_column(escape(label), justify="right")
-    for name, d in report.domains.items():
-        for layer, row in zip(report.layers, d.share, strict=True):
-            table.add_row(name, str(layer), *_shares(row))
-    return table
+    columns = [Column("domain", "left", key=True), Column("layer", key=True), *_experts(report)]
+    rows = [[escape(name), str(layer), *_shares(row)] for name, d in report.domains.items()
+            for layer, row in zip(report.layers, d.share, strict=True)]
+    return Fitted(columns, rows, title=_title(report, ", per layer"))
 
 
 def plot(report: RoutingReport, path: Path) -> None:

@@ -27,11 +27,16 @@ from moemerge.errors import MoemergeError, Terminated
 def clickish(command) -> None:
     """Make a command's help read as Click's does, whatever Typer version renders it: usage
     `RECIPE [OUTPUT]`, a value option's type in upper case (`--seq-len INTEGER`), no type on a
-    flag or an argument (newer Typer shows `<bool>`, `<str>`, `{recipe}`), and paragraphs
-    that reflow (a docstring's line breaks inside a paragraph are spaces)."""
+    flag or an argument (newer Typer shows `<bool>`, `<str>`, `{recipe}`), paragraphs
+    that reflow (a docstring's line breaks inside a paragraph are spaces), and help texts that
+    are plain text: Typer's rich mode reads them as markup, where `the [gguf] extra` would
+    lose `[gguf]` as an unknown tag, so they are escaped for it."""
+    plain = _plain_text(getattr(command, "rich_markup_mode", None))
     if command.help:
-        command.help = re.sub(r"(?<!\n)\n(?!\n)", " ", inspect.cleandoc(command.help))
+        command.help = plain(re.sub(r"(?<!\n)\n(?!\n)", " ", inspect.cleandoc(command.help)))
     for param in command.params:
+        if getattr(param, "help", None):
+            param.help = plain(param.help)
         if not hasattr(param, "display_type_rich"):  # older Typer: Click's rendering
             continue
         label = None
@@ -42,6 +47,12 @@ def clickish(command) -> None:
             bare = re.sub(r"^list\[(.*)\]$", r"\1", param.bare_type())
             label = param.metavar or TYPE_LABELS.get(bare, bare.upper())
         param.display_type_rich = lambda ctx, label=label: label
+
+
+def _plain_text(markup_mode) -> Callable[[str], str]:
+    """How a help text is kept plain under `markup_mode`: escaped for rich markup, as it is
+    otherwise (Click's and Typer's non-rich renderings print it verbatim)."""
+    return escape if markup_mode == "rich" else str
 
 
 TYPE_LABELS = {"int": "INTEGER", "float": "FLOAT", "str": "TEXT", "Path": "PATH"}  # Click's

@@ -56,7 +56,7 @@ def finetune(
     batch_size: Annotated[int, Field("batch_size")] = D["batch_size"],
     grad_accum: Annotated[int, Field("grad_accum")] = D["grad_accum"],
     steps: Annotated[Optional[int], Field("steps")] = None,  # noqa: UP045
-    epochs: Annotated[float, Field("epochs")] = D["epochs"],
+    epochs: Annotated[Optional[float], Field("epochs")] = None,  # noqa: UP045
     lr: Annotated[float, Field("lr")] = D["lr"],
     weight_decay: Annotated[float, Field("weight_decay")] = D["weight_decay"],
     schedule: Annotated[str, Field("schedule")] = D["schedule"],

@@ -23,7 +23,11 @@ def force_option(options: str):
 class InspectGroup(Group):
     """`inspect BASE EXPERT...` is `inspect task-vectors BASE EXPERT...` (a first word that is
     not a subcommand starts the task-vector report); the old `inspect MODEL --data ...` is
-    `inspect routing MODEL --data ...`, with a deprecation message."""
+    `inspect routing MODEL --data ...`, with a deprecation message. Its --help ends with the
+    default command's whole help, so `inspect --help` lists the options `inspect BASE EXPERT...`
+    takes."""
+
+    default_command = "task-vectors"
 
     def parse_args(self, ctx, args):
         if args and args[0] not in self.commands and args[0] not in ctx.help_option_names:
@@ -31,8 +35,21 @@ class InspectGroup(Group):
             if old_routing:
                 err.print("[yellow]deprecated:[/] `inspect MODEL --data ...` is now "
                           "`inspect routing MODEL --data ...`", highlight=False)
-            args = ["routing" if old_routing else "task-vectors", *args]
+            args = ["routing" if old_routing else self.default_command, *args]
         return super().parse_args(ctx, args)
+
+    def format_help(self, ctx, formatter):
+        super().format_help(ctx, formatter)
+        command = self.commands[self.default_command]
+        line = f"`inspect BASE EXPERT...` is `inspect {self.default_command} BASE EXPERT...`:"
+        if getattr(self, "rich_markup_mode", None) == "rich":  # Typer's rich help prints itself
+            out.print(f"\n [bold]{line}[/]", highlight=False)
+        else:
+            formatter.write_paragraph()
+            formatter.write_text(line)
+        with command.make_context(self.default_command, [], parent=ctx,
+                                  resilient_parsing=True) as sub:
+            command.format_help(sub, formatter)
 
 
 inspect_app = App(

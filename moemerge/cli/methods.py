@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 import typer
-from rich.table import Table
+from rich.markup import escape
 
 from moemerge.cli.app import app, out, reports_errors
 from moemerge.merge.registry import METHOD_NAMES, REGISTRY
+from moemerge.tables import Column, Fitted
 
 
 @app.command()
@@ -24,21 +25,32 @@ def methods(
     from moemerge.merge.reference import default_text, methods_table
 
     if name is None:
-        table = Table(title="merge methods (docs/merge-methods.md)")
-        for column in ("method", "what it does", "base", "models", "parameters (default)"):
-            table.add_column(column)
-        for row in methods_table():
-            table.add_row(*row[:4], row[4].replace("`", ""))
-        out.print(table)
+        columns = [Column("method", "left", key=True), Column("inputs", "left"),
+                   Column("parameters (default)", "left"),
+                   Column("what it does", "left", prose=True)]
+        rows = [[row[0], _inputs(row[2], row[3]),
+                 row[4].replace("`", "").replace(", ", "\n"), row[1]]  # a parameter per line
+                for row in methods_table()]
+        out.print(Fitted(columns, [[escape(c) for c in row] for row in rows],
+                         title="merge methods (docs/merge-methods.md)",
+                         caption="inputs: base model (required, or optional) + models merged"))
         return
     if name not in REGISTRY:
         raise RecipeError(f"unknown merge method {name!r}; choose from {', '.join(METHOD_NAMES)}")
     spec = REGISTRY[name]
     out.print(f"[bold]{spec.name}[/]: {spec.summary} ({spec.paper})")
-    table = Table()
-    for column in ("parameter", "default", "values", "tuned", "meaning"):
-        table.add_column(column)
-    for p in spec.params:
-        values = ("list or " if p.kind is float else "") + p.range_text().replace("\\|", "|")
-        table.add_row(p.name, default_text(p), values, "yes" if p.tunable else "", p.doc)
-    out.print(table if spec.params else "no parameters")
+    columns = [Column("parameter", "left", key=True), Column("default", "left"),
+               Column("values", "left"), Column("tuned", "left"),
+               Column("meaning", "left", prose=True)]
+    rows = [[p.name, default_text(p),
+             ("list or " if p.kind is float else "") + p.range_text().replace("\\|", "|"),
+             "yes" if p.tunable else "", p.doc] for p in spec.params]
+    out.print(Fitted(columns, [[escape(c) for c in row] for row in rows])
+              if spec.params else "no parameters")
+
+
+def _inputs(base: str, models: str) -> str:
+    """'base + ≥ 1': what a method merges, the base (required: base, optional: (base)) and how
+    many models, in one column so that the table fits 80 columns."""
+    parts = {"yes": ["base"], "optional": ["(base)"], "no": []}[base]
+    return " + ".join(parts + ([] if models == "–" else [models]))

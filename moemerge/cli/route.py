@@ -61,10 +61,9 @@ def route(
     softmax over the top-k log(1/PPL): each expert's 1/PPL, normalised) or task_vector (one
     forward and backward of the base).
     """
-    from rich.table import Table
-
     from moemerge.analysis.route import read_prompts, route_prompts
     from moemerge.errors import RecipeError
+    from moemerge.tables import Column, Fitted
 
     if split not in ("line", "paragraph", "file"):
         raise RecipeError(f"--split: must be line, paragraph or file, got {split!r}")
@@ -78,20 +77,18 @@ def route(
     report = route_prompts(model, texts, router=router, k=k, temperature=temperature,
                            max_tokens=max_tokens)
 
-    table = Table(title=f"routing of {len(texts)} prompts by {report.router} routing "
-                  f"(top-{report.experts_per_sequence} of {len(report.experts)})",
-                  title_justify="left")
-    table.add_column("#", justify="right")
-    table.add_column("prompt")
-    table.add_column("tokens", justify="right")
-    by_ppl = report.router == "perplexity"
-    table.add_column("experts (weight, perplexity)" if by_ppl else "experts (weight)")
-    for i, p in enumerate(report.prompts):
-        preview = p.text.replace("\n", "⏎")
-        preview = preview if len(preview) <= PREVIEW else preview[: PREVIEW - 1] + "…"
-        table.add_row(str(i), escape(preview), str(p.tokens),
-                      escape(", ".join(expert_cell(e) for e in p.experts)))
     console = err if json_path == "-" else out  # keep stdout pure JSON with --json -
+    by_ppl = report.router == "perplexity"
+    columns = [Column("#", key=True), Column("prompt", "left", key=True), Column("tokens"),
+               Column("experts (weight, perplexity)" if by_ppl else "experts (weight)", "left")]
+    rows = [[str(i), "", str(p.tokens), "\n".join(escape(expert_cell(e)) for e in p.experts)]
+            for i, p in enumerate(report.prompts)]  # one expert per line
+    room = _prompt_room(console.width, columns, rows)
+    for row, p in zip(rows, report.prompts, strict=True):
+        preview = p.text.replace("\n", "⏎")
+        row[1] = escape(preview if len(preview) <= room else preview[: room - 1] + "…")
+    table = Fitted(columns, rows, title=f"routing of {len(texts)} prompts by {report.router} "
+                   f"routing (top-{report.experts_per_sequence} of {len(report.experts)})")
     console.print(table)
     console.print(weights_legend(report), highlight=False)
     counts = {name: sum(p.experts[0]["name"] == name for p in report.prompts)
@@ -99,6 +96,15 @@ def route(
     console.print("first choice: " + ", ".join(f"{n} {c}" for n, c in counts.items()),
                   highlight=False)
     files.json(report.to_json(), "routing")
+
+
+def _prompt_room(width: int, columns: list, rows: list[list[str]]) -> int:
+    """Characters of each prompt's preview: what the console's width leaves beside the other
+    columns (whole), at most PREVIEW, at least 12. The preview is an excerpt, cut with `…`."""
+    from moemerge.tables import table_width
+
+    others = table_width(columns, rows, skip=1)
+    return max(12, min(PREVIEW, width - others))
 
 
 def expert_cell(e: dict) -> str:

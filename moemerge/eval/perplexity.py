@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from rich.markup import escape
-from rich.table import Table
 
 from moemerge.errors import CheckpointError
 from moemerge.loading import load_causal_lm, load_pretrained
+from moemerge.tables import Column, Fitted
 
 ModelRef = Path | str | torch.nn.Module | tuple  # a path, a model, or (model, tokenizer)
 
@@ -150,21 +150,20 @@ def perplexity_table(
 
 def render_table(
     table: Mapping[str, Mapping[str, float]], title: str | None = None, highlight_best: bool = True
-) -> Table:
-    """Rows = models, columns = domains + mean; the lowest value per column in bold green."""
+) -> Fitted:
+    """Rows = models, columns = domains + mean; the lowest value per column in bold green. As
+    many tables as the console's width needs, none cutting a number (moemerge.tables)."""
     domains = list(next(iter(table.values()), {}))
     rows = {label: [row[d] for d in domains] for label, row in table.items()}
     rows = {label: values + [sum(values) / len(values)] for label, values in rows.items() if values}
     columns = [*domains, "mean"]
     best = [min(values[i] for values in rows.values()) for i in range(len(columns))] if rows else []
-    out = Table(title=title)
-    out.add_column("model")
-    for name in columns:
-        out.add_column(escape(name), justify="right")
-    for label, values in rows.items():
-        cells = [
+    cells = [
+        [escape(label)] + [
             f"[bold green]{v:.2f}[/]" if highlight_best and v == best[i] else f"{v:.2f}"
             for i, v in enumerate(values)
         ]
-        out.add_row(escape(label), *cells)
-    return out
+        for label, values in rows.items()
+    ]
+    return Fitted([Column("model", "left", key=True), *(Column(name) for name in columns)],
+                  cells, title=title)

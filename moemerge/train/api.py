@@ -3,7 +3,6 @@ export."""
 
 from __future__ import annotations
 
-import math
 import shutil
 import warnings
 from collections.abc import Callable
@@ -121,7 +120,7 @@ def _finetune(cfg, ctx, console, on_step, config_file) -> FinetuneResult:
         model = sharding.shard_model(model, ctx)
     params = dict(model.named_parameters())
     trainable = [params[n] for n in names]
-    steps = cfg.steps or math.ceil(cfg.epochs * len(blocks.train_ids) / cfg.batch_size)
+    steps = cfg.total_steps(len(blocks.train_ids))
     torch.manual_seed(cfg.seed)
     optim = loop.make_optim(trainable, cfg, steps)
     records, start = _resume(cfg, params, optim, console)

@@ -12,19 +12,18 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
+
+from moemerge.tables import Column, Fitted
 
 Evals = dict[str, dict[str, float]]
 
 
-def eval_table(before: Evals, after: Evals | None = None, title: str = "held-out loss") -> Table:
-    """Rows = domains (+ mean); loss and perplexity before and, if given, after training."""
-    table = Table(title=title)
-    table.add_column("domain")
-    for col in ["loss", "ppl"] + (["loss after", "ppl after", "Δ ppl"] if after else []):
-        table.add_column(col, justify="right")
-    rows = list(before) + ["mean"]
-    for d in rows:
+def eval_table(before: Evals, after: Evals | None = None, title: str = "held-out loss") -> Fitted:
+    """Rows = domains (+ mean); loss and perplexity before and, if given, after training (as
+    many tables as the console's width needs, none cutting a number)."""
+    names = ["loss", "ppl"] + (["loss after", "ppl after", "Δ ppl"] if after else [])
+    rows = []
+    for d in list(before) + ["mean"]:
         b = _row(before, d)
         cells = [f"{b['loss']:.4f}", f"{b['ppl']:.2f}"]
         if after:
@@ -32,8 +31,8 @@ def eval_table(before: Evals, after: Evals | None = None, title: str = "held-out
             change = 100 * (a["ppl"] / b["ppl"] - 1)
             colour = "green" if change < 0 else "red"
             cells += [f"{a['loss']:.4f}", f"{a['ppl']:.2f}", f"[{colour}]{change:+.1f}%[/]"]
-        table.add_row(escape(d), *cells)
-    return table
+        rows.append([escape(d), *cells])
+    return Fitted([Column("domain", "left", key=True), *map(Column, names)], rows, title=title)
 
 
 def _row(evals: Evals, domain: str) -> dict[str, float]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import yaml
-from rich.table import Table
 
+from moemerge.tables import Column, Fitted
 from moemerge.tune.search import TuneOptions, TuneResult
 
 TUNING_FILE = "moemerge_tuning.json"
@@ -48,17 +48,18 @@ def tuning_json(result: TuneResult, opts: TuneOptions) -> str:
     }, indent=2) + "\n"
 
 
-def tuning_table(result: TuneResult) -> Table:
+def tuning_table(result: TuneResult) -> Fitted:
     """Every candidate in the order evaluated; the chosen one per role in bold green."""
-    table = Table(title=f"tuning: perplexity {result.baseline:.4f} -> {result.tuned:.4f}")
-    for name in ("role", "lambda", "density", "perplexity"):
-        table.add_column(name, justify="left" if name == "role" else "right")
+    rows = []
     for c in result.candidates:
         picked = c.role in result.chosen and result.chosen[c.role] == (c.lam, c.density)
         cells = [c.role, "recipe" if c.lam is None else f"{c.lam:g}",
                  "" if c.density is None else f"{c.density:g}", f"{c.perplexity:.4f}"]
-        table.add_row(*(f"[bold green]{x}[/]" if picked else x for x in cells))
-    return table
+        rows.append([f"[bold green]{x}[/]" if picked else x for x in cells])
+    columns = [Column("role", "left", key=True), Column("lambda"), Column("density"),
+               Column("perplexity")]
+    return Fitted(columns, rows,
+                  title=f"tuning: perplexity {result.baseline:.4f} -> {result.tuned:.4f}")
 
 
 def _describe(role: str, lam: float, density: float | None) -> str:

@@ -70,3 +70,20 @@ def test_defaults_do_not_override_the_config_file(captured, tmp_path):
     assert isinstance(result.exception, Captured), result.output
     cfg = captured[0]
     assert (cfg.seq_len, cfg.force, cfg.lr, cfg.batch_size) == (64, True, 0.5, 8)
+
+
+def test_the_default_is_a_step_budget_not_an_epoch(captured):
+    """No --steps, no --epochs: DEFAULT_STEPS (stated in --help with its tokens), however much
+    data there is; --epochs counts passes over the blocks; --steps wins over --epochs."""
+    from moemerge.train.config import DEFAULT_STEPS
+
+    result = runner.invoke(app, ["finetune", "m", "o", "--data", "d.txt"])
+    assert isinstance(result.exception, Captured), result.output
+    cfg = captured[0]
+    assert (cfg.steps, cfg.epochs) == (None, None)
+    assert cfg.total_steps(100_000) == cfg.total_steps(10) == DEFAULT_STEPS
+    assert cfg.model_copy(update={"epochs": 2.0}).total_steps(100) == 25  # 2 × 100 / batch 8
+    assert cfg.model_copy(update={"epochs": 2.0, "steps": 7}).total_steps(100) == 7
+    steps = next(p for p in typer.main.get_command(app).commands["finetune"].params
+                 if p.name == "steps")
+    assert f"default: {DEFAULT_STEPS}" in steps.help and "tokens" in steps.help

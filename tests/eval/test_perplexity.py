@@ -89,7 +89,7 @@ def test_table_and_render(model_dir, tok):
     assert table["pair"] == pytest.approx(table["object"])
     rendered = render_table(table, title="t")
     assert [c.header for c in rendered.columns] == ["model", "a", "b", "mean"]
-    assert rendered.row_count == 3 and "[bold green]" in str(rendered.columns[1]._cells[0])
+    assert len(rendered.rows) == 3 and "[bold green]" in rendered.rows[0][1]
 
 
 def test_object_without_tokenizer_or_missing_path_is_refused(model_dir, tmp_path):
