@@ -54,6 +54,8 @@ class Param:
         """Why a single (non-gradient) value is out of range, or None."""
         if isinstance(self.kind, tuple):
             return None if value in self.kind else f"must be one of {', '.join(self.kind)}"
+        if self.kind in (float, int) and isinstance(value, bool):
+            return f"must be a number, got {str(value).lower()}"
         if self.kind in (float, int) and isinstance(value, int | float):
             bad_low = self.low is not None and (value < self.low if self.low_closed
                                                 else value <= self.low)
@@ -116,7 +118,10 @@ def _load(target: str | None) -> Callable:
     return getattr(importlib.import_module(module), attr)
 
 
-LAMBDA = Param("lambda", float, 1.0, "scale of the merged task vector", tunable=True)
+# |lambda| beyond 1000 scales a task vector past any weight a model holds (1e38 overflowed the
+# float32 merge into Inf): a typo, refused with the range
+LAMBDA = Param("lambda", float, 1.0, "scale of the merged task vector", low=-1000.0, high=1000.0,
+               low_closed=True, tunable=True)
 DENSITY = Param("density", float, 0.7, "fraction of each task vector's entries kept",
                 low=0.0, high=1.0, tunable=True)
 NORMALIZE = Param("normalize", bool, True, "divide the weights by their sum (linear methods) or "

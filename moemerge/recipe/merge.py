@@ -48,6 +48,17 @@ def _check_range(cls, value, info):
     return value
 
 
+def _no_bool_numbers(cls, value, info):
+    """Before pydantic reads it: `true` where a number (or a gradient of numbers) is expected is
+    an error, not 1.0."""
+    p = all_params()[next(n for n, f in param_fields().items() if f == info.field_name)]
+    values = value if isinstance(value, list) else [value]
+    if p.kind in (float, int) and any(isinstance(v, bool) for v in values):
+        raise ValueError(f"must be a number{' or a list of numbers' if p.kind is float else ''}"
+                         f", got {str(value).lower()}")
+    return value
+
+
 class _Params(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -60,7 +71,9 @@ class _Params(BaseModel):
 MergeParams = create_model(
     "MergeParams", __base__=_Params, __doc__="How a group of tensors is merged. Unset fields "
     "take the method's defaults (moemerge/merge/registry.py).",
-    __validators__={"_range": field_validator(*param_fields().values())(_check_range)},
+    __validators__={"_range": field_validator(*param_fields().values())(_check_range),
+                    "_no_bools": field_validator(*param_fields().values(), mode="before")(
+                        _no_bool_numbers)},
     method=(MethodName | None, None),
     **{p.arg: (_annotation(p), Field(default=None, alias=p.name if p.arg != p.name else None,
                                      description=p.doc))

@@ -42,10 +42,17 @@ RECIPE_FIELDS = [
     ("calibration.seq_len", "kind: moe\nbase_model: base\nexperts: [base, base]\nrouter: "
                             f"{{init: calibrate}}\ncalibration: {{data: [t.txt], seq_len: "
                             f"{2**63}}}\n"),
+    ("merge.lambda", "kind: merge\nbase_model: base\nmodels: [base, base]\nmerge: {method: "
+                     "task_arithmetic, lambda: 1e38}\n"),
+    ("merge.lambda", "kind: merge\nbase_model: base\nmodels: [base, base]\nmerge: {method: "
+                     "task_arithmetic, lambda: true}\n"),
+    ("merge.overrides.0.lambda", "kind: merge\nbase_model: base\nmodels: [base, base]\nmerge: "
+                                  "{method: ties, overrides: [{lambda: [0.5, true]}]}\n"),
 ]
 
 
-@pytest.mark.parametrize("key, text", RECIPE_FIELDS, ids=[k for k, _ in RECIPE_FIELDS])
+@pytest.mark.parametrize("key, text", RECIPE_FIELDS,
+                         ids=[f"{k}-{i}" for i, (k, _) in enumerate(RECIPE_FIELDS)])
 def test_recipe_numbers_out_of_range(work, key, text):
     write_recipe(work / "r.yaml", text)
     for argv in (["validate", "r.yaml"], ["build", "r.yaml", "out"]):
