@@ -194,7 +194,7 @@ def build(
         texts = _in_recipe(recipe_path, calibration_texts, recipe.calibration,
                            recipe_path.parent)
     with ExitStack() as stack:
-        with stage("reading the models' headers and planning") as found:
+        with stage("planning") as found:  # reading every model's header
             models = open_sources(
                 _labelled_refs(recipe), recipe_path.parent, allow_pickle=allow_pickle, stack=stack,
                 compatible=not isinstance(recipe, BridgedRecipe),

@@ -31,7 +31,7 @@ class Stages:
             yield found.append
         detail = f": {', '.join(found)}" if found else ""
         self.console.print(f"[green]✓[/] {what}{detail} [dim]({time.perf_counter() - start:.1f} s)"
-                           "[/]", highlight=False, soft_wrap=True)
+                           "[/]", highlight=False)
 
     def bar(self, what: str, items: Iterable, total_bytes: int, count: int,
             nbytes: Callable[[object], int]) -> Iterator:

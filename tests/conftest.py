@@ -36,6 +36,11 @@ def write_recipe(path: Path, text: str) -> Path:
     return path
 
 
+def snapshot(root: Path) -> dict[Path, bytes]:
+    """Every file under `root` with its bytes: equal before and after means nothing changed."""
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
 def perturbed_copy(src: Path, dst: Path, *, scale: float, seed: int, only: str = "") -> Path:
     """A copy of checkpoint `src` with N(0, scale²) noise added to tensors whose name contains
     `only` (all when empty): a stand-in for a fine-tuned expert branched from `src`."""

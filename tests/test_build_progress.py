@@ -22,7 +22,7 @@ def test_each_stage_is_said_as_it_ends(model_factory, tmp_path, capsys):
     assert said.out == ""  # progress is on stderr only
     lines = said.err.splitlines()
     planned = f"3 models, {len(result.plan.jobs)} output tensors"
-    assert re.fullmatch(rf"✓ reading the models' headers and planning: {planned}, "
+    assert re.fullmatch(rf"✓ planning: {planned}, "
                         r"[\d.]+ (KiB|MiB) \(\d+\.\d s\)", lines[0]), lines
     assert any(line.startswith("merging") and f"{len(result.plan.jobs)}/" in line
                for line in lines), lines

@@ -244,24 +244,23 @@ def free_bytes(directory: Path) -> int:
         return 0
 
 
-def fsync_dir(directory: Path) -> None:
-    """Make a directory's entries (renames, new files) durable."""
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """Make a file's bytes, or a directory's entries (renames, new files), durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
+fsync_dir = fsync_path  # a directory's entries: what its callers mean
+
+
 def fsync_tree(root: Path) -> None:
     """fsync every file under `root`, then every directory, deepest first."""
     for parent, _, files in sorted(os.walk(root), key=lambda e: -e[0].count(os.sep)):
         for name in files:
-            fd = os.open(Path(parent) / name, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(Path(parent) / name)
         fsync_dir(Path(parent))
 
 

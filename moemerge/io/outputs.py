@@ -28,6 +28,7 @@ from moemerge.io.atomic import (
     _umask,
     deferred_signals,
     fsync_dir,
+    fsync_path,
 )
 from moemerge.io.paths import check_output_apart, working_directory
 
@@ -100,7 +101,7 @@ def write_output_file(out: Path, content: str | bytes | Callable[[Path], None],
             content(tmp)
         else:
             tmp.write_bytes(content.encode() if isinstance(content, str) else content)
-        _fsync(tmp)
+        fsync_path(tmp)
         if os.path.lexists(out) and not force:  # it appeared meanwhile
             raise OutputError(f"{option} {out} appeared while writing; pass --force to "
                               "replace it")
@@ -113,14 +114,6 @@ def write_output_file(out: Path, content: str | bytes | Callable[[Path], None],
         raise
     fsync_dir(parent)
     return out
-
-
-def _fsync(file: Path) -> None:
-    fd = os.open(file, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def sweep_stale_files(parent: Path, prefix: str) -> list[Path]:

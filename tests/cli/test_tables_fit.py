@@ -54,7 +54,8 @@ def in_terminal(*args, columns: int = WIDTH) -> str:
     os.close(leader)
     assert proc.wait(timeout=300) == 0
     text = b"".join(chunks).decode()
-    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text).replace("\r", "")
+    # a carriage return alone redraws the line (a progress spinner): each drawing its own line
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text).replace("\r\n", "\n").replace("\r", "\n")
 
 
 def assert_fits(text: str, width: int = WIDTH) -> None:

@@ -4,7 +4,7 @@ working directory; refused with exit 2 before anything is read, with or without 
 import shutil
 
 import pytest
-from conftest import write_recipe
+from conftest import snapshot, write_recipe
 from typer.testing import CliRunner
 
 from moemerge.cli import app
@@ -14,10 +14,6 @@ def cli(*args):
     result = CliRunner().invoke(app, [str(a) for a in args])
     assert result.exception is None or isinstance(result.exception, SystemExit), result.output
     return result.exit_code, " ".join(result.output.split())
-
-
-def snapshot(root):
-    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture

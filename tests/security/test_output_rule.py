@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import typer
-from conftest import perturbed_copy, write_recipe
+from conftest import perturbed_copy, snapshot, write_recipe
 from typer.testing import CliRunner
 
 from moemerge.cli import app
@@ -79,10 +79,6 @@ def cli(*args):
     result = CliRunner().invoke(app, [str(a) for a in args])
     assert result.exception is None or isinstance(result.exception, SystemExit), result.output
     return result.exit_code, " ".join(result.output.split())
-
-
-def snapshot(root):
-    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
