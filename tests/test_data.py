@@ -118,3 +118,13 @@ def test_relative_paths_are_read_near_the_recipe(tmp_path, monkeypatch):
     assert domains["code"].sources == [str(recipe_dir / "data" / "code.txt")]
     with pytest.raises(RecipeError, match="data/code.txt: no such file"):
         read_domains(["data/code.txt"])  # without `near`: relative to the working directory
+
+
+def test_a_directory_that_links_back_to_itself_is_read_once(tmp_path):
+    """A data directory holding a symlink to its own parent: its files are read once each, and
+    the walk ends (symlinked directories are not followed)."""
+    (tmp_path / "d" / "a").mkdir(parents=True)
+    (tmp_path / "d" / "a" / "x.txt").write_text("some calibration text\n")
+    (tmp_path / "d" / "a" / "up").symlink_to("..")
+    domains = read_domains([str(tmp_path / "d")], what="calibration.data")
+    assert {name: len(d.documents) for name, d in domains.items()} == {"x": 1}

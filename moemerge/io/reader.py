@@ -163,9 +163,11 @@ def indexed_files(index: Path, directory: Path) -> list[Path]:
     except (OSError, UnicodeDecodeError, ValueError, TypeError, RecursionError) as exc:
         raise CheckpointError(f"{index} is not a valid index: {str(exc)[:200]}") from None
     if not isinstance(weight_map, dict) or not all(
-            isinstance(f, str) and f for f in weight_map.values()):
+            isinstance(f, str) and f and n for n, f in weight_map.items()):
         raise CheckpointError(f"{index} is not a valid index: its weight_map must map "
                               "tensor names to file names")
+    if not weight_map:
+        raise CheckpointError(f"{index} is not a valid index: its weight_map lists no tensor")
     files = sorted(confined(Path(f), directory, f"file listed in {index.name}")
                    for f in set(weight_map.values()))
     for file in files:

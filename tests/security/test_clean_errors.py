@@ -54,6 +54,11 @@ def broken_copy(base, dst, how):
         header_file(weights, b"[" * 100_000 + b"]" * 100_000)
     elif how == "weight_map a list":
         (model / "model.safetensors.index.json").write_text('{"weight_map": ["a", "b"]}')
+    elif how == "weight_map without names":
+        (model / "model.safetensors.index.json").write_text(
+            '{"weight_map": {"": "model.safetensors"}}')
+    elif how == "weight_map empty":
+        (model / "model.safetensors.index.json").write_text('{"weight_map": {}}')
     elif how == "no intermediate_size":
         config = json.loads((model / "config.json").read_text())
         del config["intermediate_size"]
@@ -66,6 +71,8 @@ def broken_copy(base, dst, how):
 @pytest.mark.parametrize("how, message", [
     ("dtype list", "malformed header entry"), ("offsets strings", "malformed header entry"),
     ("nested 100k deep", "nested too deeply"), ("weight_map a list", "not a valid index"),
+    ("weight_map without names", "must map tensor names to file names"),
+    ("weight_map empty", "lists no tensor"),
     ("no intermediate_size", "intermediate_size is missing"),
     ("bad tokenizer.json", "not a valid tokenizer file"),
 ])
