@@ -141,3 +141,27 @@ def test_toy_preset_smollm2_copies_the_base(real_base, tmp_path, monkeypatch):
         (real_base / "model.safetensors").read_bytes()
     again = CliRunner().invoke(app, ["toy", "real", "--preset", "smollm2"])
     assert again.exit_code == 1 and "already exists" in again.output
+
+
+def test_real_experts_train_their_ffns_only(real_base, tmp_path):
+    """Two experts, two steps each: every FFN tensor moved, every other tensor is the base's,
+    byte for byte; realset.json holds every model's held-out perplexity on every domain."""
+    from safetensors.torch import load_file
+
+    from moemerge.toy.real_experts import RealExpertSpec, make_real_experts
+
+    spec = RealExpertSpec(domains=("code", "math"), steps=2, batch=2, seq_len=32,
+                          train_chars=20_000, eval_chars=6_000, eval_tokens=256, lr=1e-3)
+    record = make_real_experts(spec, real_base, tmp_path / "set")
+    assert set(record["perplexity"]) == {"base", "expert:code", "expert:math"}
+    assert all(set(row) == {"code", "math"} and all(v > 1 for v in row.values())
+               for row in record["perplexity"].values())
+    base = load_file(real_base / "model.safetensors")
+    for domain in ("code", "math"):
+        expert = load_file(tmp_path / "set" / "experts" / domain / "model.safetensors")
+        assert set(expert) == set(base)
+        for name, tensor in expert.items():
+            assert tensor.dtype == base[name].dtype
+            assert torch.equal(tensor, base[name]) != (".mlp." in name), name
+    assert json.loads((tmp_path / "set" / "realset.json").read_text()) == json.loads(
+        json.dumps(record))
