@@ -8,6 +8,13 @@ from moemerge.errors import MismatchError
 from moemerge.plan.common import merge_job, output_dtype, write_order
 from moemerge.plan.fused import fuse_jobs, split_fused
 from moemerge.plan.jobs import Job, Plan, Source
+from moemerge.plan.shared import (
+    check_shared_expert,
+    downstream_notes,
+    shared_expert_jobs,
+    shared_expert_width,
+)
+from moemerge.plan.slices import plan_slices
 from moemerge.plan.sources import SourceModel
 from moemerge.recipe.models import MergeRecipe, MoERecipe
 
@@ -15,8 +22,6 @@ from moemerge.recipe.models import MergeRecipe, MoERecipe
 def plan_merge(recipe: MergeRecipe, models: list[SourceModel]) -> Plan:
     """Dense merge. models = [base?] + recipe.models, base first when the recipe names one."""
     if recipe.slices:
-        from moemerge.plan.slices import plan_slices  # slices.py builds on this module
-
         return plan_slices(recipe, models)
     has_base = recipe.base_model is not None
     base = 0 if has_base else None
@@ -38,13 +43,6 @@ def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:
     """Branch-Train-Mix. models = [base] + experts; each expert's FFN becomes an MoE expert in
     every layer (the base's own FFN last when include_base_expert), the other tensors are merged
     across the experts, and a router is added to every layer."""
-    from moemerge.plan.shared import (  # shared.py builds on this module
-        check_shared_expert,
-        downstream_notes,
-        shared_expert_jobs,
-        shared_expert_width,
-    )
-
     base = models[0]
     layout = base.family.moe_layout(base.where(), recipe.shared_expert != "none")
     dtype = output_dtype(recipe.output.dtype, base)

@@ -1,6 +1,6 @@
 """Plan of `kind: upcycle`: one dense model's FFN copied into N experts, each split m ways.
 
-Why it starts exactly at the dense model (DESIGN.md, docs/recipes.md). Split the FFN's I
+Why it starts exactly at the dense model (docs/recipes.md, `kind: upcycle`). Split the FFN's I
 intermediate units into m slices S_j of I/m units: gate/up keep rows S_j, down keeps columns S_j,
 and FFN(x) = down(act(gate x) * up x) = Σ_j FFN_j(x), since the units do not interact. Copy c,
 slice j becomes expert c·m + j. When the router gives the m slices of a copy identical logits
