@@ -67,7 +67,9 @@ def _saved(config_json: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
     kwargs = {k: v for k, v in config.items() if k not in NOT_CONFIG}
     with quiet_transformers():
         made = AutoConfig.for_model(config["model_type"], **kwargs)
-        with torch.device("meta"):
+        # moemerge's own classes on the CPU (the configs are tiny): on transformers 4 their
+        # constructor reads Gemma's embedding scale, a tensor, whose value meta has not
+        with torch.device("cpu" if config["model_type"].startswith("moemerge") else "meta"):
             model = AutoModelForCausalLM.from_config(made)
     state = model.state_dict(keep_vars=True)
     try:  # transformers 5: what save_pretrained writes
