@@ -29,12 +29,13 @@ RECIPES = {"moe": "toy_moe.yaml", "merged": "toy_merge.yaml", "seq": "toy_seq_ro
 PROMPT_TOKENS = 32  # each window: a prompt (sequence-routed models route on it), then the rest
 
 
-def preset_spec(name: str, others: tuple[str, ...] = ()):
-    """The toy set of preset `name`; `others` are more names the caller accepts (said in the
-    error)."""
+def preset_spec(name: str, others: tuple[str, ...] = (), real: bool = False):
+    """The toy set of preset `name` (with `real`, also the real experts' 'smollm2-experts');
+    `others` are more names the caller accepts (said in the error)."""
     from moemerge.toy import DEMO, TINY
+    from moemerge.toy.real_experts import REAL
 
-    presets = {"demo": DEMO, "tiny": TINY}
+    presets = {"demo": DEMO, "tiny": TINY} | ({"smollm2-experts": REAL} if real else {})
     if name not in presets:
         raise RecipeError(f"--preset: must be one of {', '.join([*presets, *others])}, got "
                           f"{name!r}")
@@ -49,11 +50,16 @@ def bundled_recipe(name: str) -> Path:
 
 
 def materialise_toy_set(spec, directory: Path, *, force: bool = False, progress: bool = True):
-    """Copy the (cached, made on first use) toy experts into `directory`."""
+    """Copy the (cached, made on first use) toy experts, or the real experts of a
+    `RealExpertSpec`, into `directory`."""
     from moemerge.toy import cached_toy_experts
+    from moemerge.toy.real_experts import RealExpertSpec, cached_real_experts
 
     _check_apart(directory, force)
-    toyset = cached_toy_experts(spec, progress=progress)
+    if isinstance(spec, RealExpertSpec):
+        toyset = cached_real_experts(spec, progress=progress)
+    else:
+        toyset = cached_toy_experts(spec, progress=progress)
     _copy_parts({part: toyset.root / part for part in ("base", "experts", "data")}, directory,
                 force)
     return toyset
@@ -71,7 +77,7 @@ def materialise_pretrained(name: str, directory: Path, *, force: bool = False) -
 def _check_apart(directory: Path, force: bool) -> None:
     """Before any work: the output rule, with the toy cache as the input it must stay apart
     from."""
-    from moemerge.toy.experts import cache_root
+    from moemerge.toy.cache import cache_root
 
     check_output(directory, [("the toy cache", cache_root())], force=force, directory=True)
 

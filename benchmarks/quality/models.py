@@ -120,6 +120,10 @@ class Models:
 
     def _make(self, key: str, seed: int):
         out = self.work / f"{key}-s{seed}"
+        if key == "dense_btx":  # the experts' own training, on every domain (cached)
+            from moemerge.toy.real_experts import cached_mixture_control
+
+            return cached_mixture_control(self.ts, extra_steps=self.args.steps)
         if key in CONTROLS:  # as many steps as the rows it controls, at the full fine-tune's lr
             steps = self.steps(CONTROLS[key])[0]
             return train_dense(self.ts, self.ts.base, steps, self.args.full_lr, seed, self.args)

@@ -4,6 +4,7 @@ from benchmarks/results/quality.json)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 GROUPS = {  # label prefix: bar colour
@@ -12,17 +13,27 @@ GROUPS = {  # label prefix: bar colour
     "upcycled": "#9467bd",
 }
 DENSE_MERGES = ("dense_average", "dense_ties", "dense_dare")
+BTX_CONTROL = "dense_btx"  # the base trained with the experts' compute and the MoE's steps
 CALIBRATED = "token_cal"
 FINE_TUNED_ROUTERS = ("token_random+r", "token_cal+r")
 
 
 def summary(per_seed: list[dict[str, float]]) -> dict:
-    """Mean over seeds per domain, and the mean over domains: its mean, min and max over seeds."""
+    """Mean over seeds per domain, and the mean over domains: its mean, min and max over seeds;
+    the geometric mean over domains (mean over seeds), which one domain's large perplexities
+    cannot dominate."""
     domains = list(per_seed[0])
     means = [sum(r.values()) / len(r) for r in per_seed]
+    geo = [math.exp(sum(math.log(v) for v in r.values()) / len(r)) for r in per_seed]
     return {"domains": {d: sum(r[d] for r in per_seed) / len(per_seed) for d in domains},
             "mean": sum(means) / len(means), "min": min(means), "max": max(means),
-            "seeds": len(per_seed)}
+            "geomean": sum(geo) / len(geo), "seeds": len(per_seed)}
+
+
+def wins(row: dict, against: dict) -> str:
+    """On how many domains `row` has the lower perplexity (means over seeds)."""
+    a, b = row["summary"]["domains"], against["summary"]["domains"]
+    return f"{sum(a[d] < b[d] for d in a)}/{len(a)}"
 
 
 def _by_key(rows: dict) -> dict[str, tuple[str, dict]]:
@@ -32,7 +43,8 @@ def _by_key(rows: dict) -> dict[str, tuple[str, dict]]:
 def control(row: dict, rows: dict) -> tuple[str, dict] | None:
     """The dense row a row is measured against: the dense base trained for as many steps, or,
     for a row without training, the best dense merge (the same experts, no training)."""
-    dense = [(label, r) for label, r in rows.items() if r["key"].startswith("dense")]
+    dense = [(label, r) for label, r in rows.items()
+             if r["key"].startswith("dense") and r["key"] != BTX_CONTROL]
     if row["steps"]:
         matched = [(label, r) for label, r in dense if r["steps"] == row["steps"]]
         return matched[0] if matched else None
@@ -76,7 +88,21 @@ def verdicts(rows: dict) -> list[str]:
         c_label, c_row = matched
         mean, ref = row["summary"]["mean"], c_row["summary"]["mean"]
         lines.append(f"- {label}: {mean:.2f}, {_change(mean, ref)} against {c_label} "
-                     f"({ref:.2f}): {_side(row['summary'], c_row['summary'])} the dense control.")
+                     f"({ref:.2f}): {_side(row['summary'], c_row['summary'])} the dense control; "
+                     f"better on {wins(row, c_row)} domains; geometric mean "
+                     f"{_change(row['summary']['geomean'], c_row['summary']['geomean'])}.")
+    if BTX_CONTROL in keyed:
+        c_label, c_row = keyed[BTX_CONTROL]
+        ref = c_row["summary"]["mean"]
+        moes = [(label, row) for label, row in rows.items() if is_moe(row)]
+        ahead = [label for label, row in moes if row["summary"]["mean"] < ref]
+        lines += ["", f"**Against the compute-matched dense control** ({c_label}, mean {ref:.2f}, "
+                  f"geometric mean {c_row['summary']['geomean']:.2f}): "
+                  f"{len(ahead)} of {len(moes)} MoE rows have a lower mean"
+                  + (f" ({', '.join(ahead)})." if ahead else ".")]
+        if (best := oracle(rows)) is not None:
+            lines.append(f"The oracle (each domain scored by its own expert) is {best:.2f}: "
+                         f"{_change(best, ref)} against it.")
     return lines
 
 
@@ -103,27 +129,47 @@ def _own(row: dict, domains: list[str]) -> str:
     return f"{sum(means) / len(means):.0%}"
 
 
+def setup(result: dict) -> str:
+    """The set-up paragraph: the toy presets' experts, or the real pretrained base's."""
+    spec, s, domains = result["spec"], result["settings"], result["spec"]["domains"]
+    if "hidden" in spec:
+        made = (f"{len(domains)} experts ({', '.join(domains)}) of hidden {spec['hidden']}, "
+                f"{spec['layers']} layers, vocabulary {spec['vocab']}, each branched from one "
+                f"base ({spec['base_steps']} steps on all domains) and trained "
+                f"{spec['expert_steps']} steps on its own domain.")
+    else:
+        made = (f"{len(domains)} experts ({', '.join(domains)}) branched from the real "
+                "pretrained SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocabulary "
+                "49152, tied embeddings; `moemerge toy DIR --preset smollm2-experts`): each is "
+                f"the base with its FFNs trained {spec['steps']} steps of {spec['batch']} × "
+                f"{spec['seq_len']} tokens at lr {spec['lr']:g} on its own domain, the rest "
+                "frozen.")
+    return (f"**Set-up.** {made} Perplexity (lower is better) on the last two thirds of each "
+            f"domain's held-out text, at most {s['max_tokens']} tokens each, in windows of "
+            f"{s['seq_len'] + 1} tokens: the first {s['prompt_tokens']} are a prompt "
+            "(sequence-routed models choose their experts there), the rest go through the KV "
+            "cache and are scored. The dense TIES and DARE-TIES merges have λ and density tuned "
+            "per tensor role on the first third (`build --tune-on`"
+            + (", every domain weighing the same" if result.get("tune_balanced") else
+               ", on the domains' texts joined: mostly the first domain")
+            + "); routers are calibrated on the training text.")
+
+
 def markdown(result: dict) -> str:
-    rows, s, spec = result["rows"], result["settings"], result["spec"]
+    rows, s = result["rows"], result["settings"]
+    for row in rows.values():  # results saved before the geometric mean was kept lack it
+        row["summary"] = summary(row["per_seed"])
     domains = list(next(iter(rows.values()))["summary"]["domains"])
     n = len(domains)
+    what = "toy" if "hidden" in result["spec"] else "real (SmolLM2-135M)"
     lines = [
-        f"# Quality: merge-into-MoE kinds, routers and methods on the {result['preset']} toy "
-        "experts", "",
+        f"# Quality: merge-into-MoE kinds, routers and methods on the {result['preset']} "
+        f"{what} experts", "",
         f"`python benchmarks/quality/run.py --preset {result['preset']}` — {result['machine']}; "
-        f"torch {result['torch']}; {result['date']}; whole run {result['runtime_s'] / 60:.1f} "
-        f"min, with the toy set cached (making it the first time took "
-        f"{result['toy_make_s'] / 60:.1f} min more).", "",
-        f"**Set-up.** {n} experts ({', '.join(domains)}) of hidden {spec['hidden']}, "
-        f"{spec['layers']} layers, vocabulary {spec['vocab']}, each branched from one base "
-        f"({spec['base_steps']} steps on all domains) and trained {spec['expert_steps']} steps "
-        "on its own domain. Perplexity (lower is better) on the last two thirds of each "
-        "domain's held-out text, at most "
-        f"{s['max_tokens']} tokens each, in windows of {s['seq_len'] + 1} tokens: the first "
-        f"{s['prompt_tokens']} are a prompt (sequence-routed models choose their experts "
-        "there), the rest go through the KV cache and are scored. The dense TIES and DARE-TIES "
-        "merges have λ and density tuned per tensor role on the first third "
-        "(`build --tune-on`); routers are calibrated on the training text.", "",
+        f"torch {result['torch']}, transformers {result.get('transformers', '?')}; "
+        f"{result['date']}; whole run {result['runtime_s'] / 60:.1f} min, with the expert set "
+        f"cached (making it the first time took {result['toy_make_s'] / 60:.1f} min more).", "",
+        setup(result), "",
         f"**Training.** Batches of {s['batch_size']} × {s['seq_len']} tokens of the training "
         f"text (all domains), AdamW, warm-up + cosine. Routers (and CAMEx curvature): "
         f"{s['steps']} steps at lr {s['lr']:g}, experts frozen. Full fine-tune: "
@@ -131,26 +177,34 @@ def markdown(result: dict) -> str:
         f"made into {n} copies (top-2), all weights trained {s['steps'] + s['full_steps']} steps "
         f"at lr {s['full_lr']:g} (before training it is the base exactly). Dense controls: the "
         "base trained with the same loop, batches and lr as the full fine-tune, for as many "
-        "steps as the row it controls. Rows over several seeds (build seed and data order): "
-        "per-domain means, and the mean with its min–max.", "",
-        "**Columns.** *vs dense*: the change in mean perplexity against the dense row with the "
-        "same training (no training: the best dense merge; "
+        "steps as the row it controls (post-merge steps only)"
+        + (f"; and the BTX control: the base trained as the experts were (FFNs only, their lr "
+           f"and batches) on all domains for the experts' steps together plus the routers' "
+           f"{s['steps']}" if any(r["key"] == BTX_CONTROL for r in rows.values()) else "")
+        + ". Rows over several seeds (build seed and data order): per-domain means, and the "
+        "mean with its min–max.", "",
+        "**Columns.** *geo mean*: the geometric mean over domains. *vs dense*: the change in "
+        "mean perplexity against the dense row with the same post-merge training (no training: "
+        "the best dense merge; "
         f"{s['steps']} / {s['steps'] + s['full_steps']} steps: the dense base trained as "
-        "long); negative is better. *own expert*: averaged over the domains, the "
+        "long); negative is better. *wins*: the domains on which it beats that row. "
+        "*own expert*: averaged over the domains, the "
         "share of a domain's tokens whose top-2 holds its own expert (token_routed, every "
         f"layer; chance {2 / n:.0%}), of its windows sent to its own expert (seq_routed, "
         f"top-1; chance {1 / n:.0%}), or the mean routing weight on its own expert "
         f"(merged_experts / CAMEx, every layer; chance {1 / n:.0%}).", "",
-        "| model | " + " | ".join(domains) + " | mean | vs dense | own expert | seeds |",
-        "|---|" + "---:|" * (n + 4)]
+        "| model | " + " | ".join(domains) + " | mean | geo mean | vs dense | wins | "
+        "own expert | seeds |",
+        "|---|" + "---:|" * (n + 6)]
     for label, row in rows.items():
         sm = row["summary"]
         spread = f" ({sm['min']:.2f}–{sm['max']:.2f})" if sm["seeds"] > 1 else ""
         matched = control(row, rows) if is_moe(row) else None
         versus = _change(sm["mean"], matched[1]["summary"]["mean"]) if matched else "–"
+        won = wins(row, matched[1]) if matched else "–"
         lines.append(f"| {label} | " + " | ".join(f"{sm['domains'][d]:.2f}" for d in domains)
-                     + f" | {sm['mean']:.2f}{spread} | {versus} | {_own(row, domains)} | "
-                     f"{sm['seeds']} |")
+                     + f" | {sm['mean']:.2f}{spread} | {sm.get('geomean', float('nan')):.2f} | "
+                     f"{versus} | {won} | {_own(row, domains)} | {sm['seeds']} |")
     routed = {label: row for label, row in rows.items() if row.get("own")}
     if routed:
         lines += ["", "Own-expert share per domain (as the *own expert* column; mean over seeds):",
@@ -200,14 +254,17 @@ def plot(result: dict, path: Path) -> None:
                 color="white" if clipped else "black")
     ax.set_xlabel("mean held-out perplexity over the domains (lower is better; bars: min–max "
                   "over seeds; dashed: the base; dotted: each domain's own expert)", fontsize=8)
-    ax.set_title(f"Merge-into-MoE kinds on the {result['preset']} toy experts "
+    ax.set_title(f"Merge-into-MoE kinds on the {result['preset']} experts "
                  f"({result['date']})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
+    import sys
+
     results = Path(__file__).parent.parent / "results"
-    saved = json.loads((results / "quality.json").read_text())
-    (results / "quality.md").write_text(markdown(saved))
-    plot(saved, results / "quality.png")
+    name = sys.argv[1] if len(sys.argv) > 1 else "quality"  # or quality-smollm2
+    saved = json.loads((results / f"{name}.json").read_text())
+    (results / f"{name}.md").write_text(markdown(saved))
+    plot(saved, results / f"{name}.png")

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
 from models import CONTROLS, TRAINED, Models, add_training_options  # noqa: E402
@@ -43,10 +44,29 @@ RESULTS = Path(__file__).parent.parent / "results"
 ROUTED = ("token_", "seq_", "merged_", "camex_")  # keys of MoEs whose experts are the domains'
 
 
+# per preset: the options' defaults and the rows it leaves out. On the real base a training
+# step is ~30× a toy's: one seed, fewer steps and tokens, a smaller tuning grid, and no rows
+# whose every weight trains (the full fine-tune and the upcycled MoE: ~15 min each)
+PRESETS = {
+    "quality": ({}, set()),
+    "demo": ({}, set()),
+    "smollm2": ({"seeds": 1, "steps": 30, "lr": 3e-3, "full_steps": 0, "batch_size": 8,
+                 "max_tokens": 2048, "tune_chars": 4000, "tune_lambdas": "0.5,1.0",
+                 "tune_densities": "0.5,0.9"},
+                {"dense+pipeline", "token_cal+r+f", "upcycle+f"}),
+}
+
+
 def rows(ts, a) -> list[tuple[str, str, bool]]:
     """(label, model key, trained over seeds) of every row, in the table's order."""
     r, f, p = a.steps, a.full_steps, a.steps + a.full_steps
-    return [
+    skipped = PRESETS[a.preset][1]
+    btx = []
+    if hasattr(ts.spec, "steps"):  # real experts: BTX's control, the experts' compute
+        n, s = len(ts.experts), ts.spec.steps
+        btx = [(f"dense base, FFNs {n}×{s} + {r} steps on all domains (BTX control)",
+                "dense_btx", False)]
+    every = [
         ("base", "base", False),
         *((f"expert: {d}", f"expert:{d}", False) for d in ts.experts),
         ("dense average", "dense_average", False),
@@ -54,6 +74,7 @@ def rows(ts, a) -> list[tuple[str, str, bool]]:
         ("dense DARE-TIES, tuned λ / density", "dense_dare", False),
         (f"dense base + {r} steps (control)", "dense+router", True),
         (f"dense base + {p} steps (control)", "dense+pipeline", True),
+        *btx,
         ("token_routed, random router", "token_random", False),
         ("token_routed, prompts router", "token_prompts", False),
         ("token_routed, calibrate (no training)", "token_cal", False),
@@ -69,12 +90,15 @@ def rows(ts, a) -> list[tuple[str, str, bool]]:
         (f"CAMEx, calibrate + routers, curvature {r} steps", "camex_cal+rc", True),
         (f"upcycled {len(ts.experts)}× top-2, + full {p} steps", "upcycle+f", True),
     ]
+    return [row for row in every if row[1] not in skipped]
 
 
 def trained_steps(key: str, models: Models) -> int:
     """Training steps behind a model: its fine-tunes' steps, parents included."""
     if key in TRAINED:
         return models.steps(TRAINED[key].phase)[0] + trained_steps(TRAINED[key].parent, models)
+    if key == "dense_btx":
+        return len(models.ts.experts) * models.ts.spec.steps + models.args.steps
     return models.steps(CONTROLS[key])[0] if key in CONTROLS else 0
 
 
@@ -111,7 +135,9 @@ class Scorer:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", choices=("quality", "demo"), default="quality")
+    parser.add_argument("--preset", choices=tuple(PRESETS), default="quality",
+                        help="toy experts (quality, demo) or the real SmolLM2 experts (smollm2, "
+                        "`moemerge toy DIR --preset smollm2-experts`)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=80, help="router / curvature steps")
     parser.add_argument("--lr", type=float, default=1e-2)
@@ -122,9 +148,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=12000, help="test tokens per domain")
     parser.add_argument("--tune-chars", type=int, default=8000,
                         help="validation characters per domain for λ / density tuning")
+    parser.add_argument("--tune-lambdas", default="0.3,0.5,0.7,1.0")
+    parser.add_argument("--tune-densities", default="0.5,0.7,0.9")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--only", default="", help="comma-separated row keys (a partial run "
                         "for trying changes; writes no results)")
+    preset = parser.parse_known_args()[0].preset
+    parser.set_defaults(**PRESETS[preset][0])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock, times = time.perf_counter(), {}
@@ -134,7 +164,14 @@ def main() -> None:
     from moemerge.tune import TuneOptions
 
     register()
-    ts = cached_toy_experts({"quality": QUALITY, "demo": DEMO}[args.preset], progress=False)
+    if args.preset == "smollm2":
+        from moemerge.toy.real_experts import REAL, cached_real_experts
+
+        ts = cached_real_experts(REAL)
+        made = json.loads((ts.root / "realset.json").read_text())["seconds"]["total"]
+    else:
+        ts = cached_toy_experts({"quality": QUALITY, "demo": DEMO}[args.preset], progress=False)
+        made = json.loads((ts.root / "toyset.json").read_text())["timings"]["total_s"]
     times["toy experts"] = time.perf_counter() - clock
     held_out = {d: split_held_out(p.read_text()) for d, p in ts.eval_text.items()}
     score = Scorer({d: test for d, (_, test) in held_out.items()}, args)
@@ -144,7 +181,9 @@ def main() -> None:
         (work / "validation").mkdir()
         for d, (validation, _) in held_out.items():
             (work / "validation" / f"{d}.txt").write_text(validation[: args.tune_chars])
-        tune = TuneOptions(work / "validation", max_tokens=10**6, seq_len=64)
+        tune = TuneOptions(work / "validation", max_tokens=10**6, seq_len=64,
+                           lambdas=tuple(map(float, args.tune_lambdas.split(","))),
+                           densities=tuple(map(float, args.tune_densities.split(","))))
         models = Models(ts, args, work, tune)
         only = set(filter(None, args.only.split(",")))
         for label, key, trained in rows(ts, args):
@@ -165,13 +204,14 @@ def main() -> None:
     result = {
         "preset": args.preset, "spec": ts.spec.__dict__ | {"domains": list(ts.spec.domains)},
         "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+        "transformers": transformers.__version__, "tune_balanced": True,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.threads} torch "
                    f"thread(s)",
         "settings": {k: v for k, v in vars(args).items() if k not in ("threads", "only")},
         "tuned": {k: {role: list(v) for role, v in chosen.items()} for k, chosen in tuned.items()},
         "runtime_s": time.perf_counter() - clock, "toy_s": times["toy experts"],
-        # what making the toy set took, whenever it was made (0 above when it was cached)
-        "toy_make_s": json.loads((ts.root / "toyset.json").read_text())["timings"]["total_s"],
+        # what making the expert set took, whenever it was made (0 above when it was cached)
+        "toy_make_s": made,
         "rows": results,
     }
     print(markdown(result))
@@ -179,9 +219,10 @@ def main() -> None:
     if only:
         return
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "quality.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
-    (RESULTS / "quality.md").write_text(markdown(result))
-    plot(result, RESULTS / "quality.png")
+    name = "quality-smollm2" if args.preset == "smollm2" else "quality"
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    (RESULTS / f"{name}.md").write_text(markdown(result))
+    plot(result, RESULTS / f"{name}.png")
 
 
 if __name__ == "__main__":

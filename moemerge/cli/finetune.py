@@ -78,7 +78,8 @@ def finetune(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No tables or progress bar.")
                      ] = False,
 ) -> None:
-    """Fine-tune an MoE's routers (default), or everything (--full), on text; write OUT.
+    """Fine-tune an MoE's routers (default), or everything (--full; also a dense model, e.g.
+    the compute-matched control of an MoE), on text; write OUT.
 
     Every option is also a field of a --config YAML file. Runs on one process or many:
     `torchrun --nproc-per-node N -m moemerge finetune ...`."""

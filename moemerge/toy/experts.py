@@ -18,16 +18,14 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from moemerge.io.atomic import owned_tempdir, sweep_stale
 from moemerge.loading import quiet_transformers
+from moemerge.toy.cache import cache_root, cached_entry
 from moemerge.toy.corpora import DOMAINS, domain_texts
 from moemerge.toy.tokenizer import train_tokenizer
 from moemerge.toy.train import (
@@ -126,12 +124,14 @@ class ToySet:
     experts: dict[str, Path]
     eval_text: dict[str, Path]
     train_text: dict[str, Path]
-    spec: ToySpec
+    spec: ToySpec  # or RealExpertSpec
 
     @classmethod
-    def load(cls, root: Path) -> ToySet:
-        meta = json.loads((root / TOYSET_FILE).read_text())
-        spec = ToySpec(**{**meta["spec"], "domains": tuple(meta["spec"]["domains"])})
+    def load(cls, root: Path, file: str = TOYSET_FILE, spec_type: type = ToySpec) -> ToySet:
+        """The set whose `file` (toyset.json, or realset.json with `RealExpertSpec`) is in
+        `root`."""
+        meta = json.loads((root / file).read_text())
+        spec = spec_type(**{**meta["spec"], "domains": tuple(meta["spec"]["domains"])})
         paths = {
             k: {d: root / p for d, p in meta[k].items()}
             for k in ("experts", "eval_text", "train_text")
@@ -140,7 +140,7 @@ class ToySet:
 
 
 @contextmanager
-def _progress(enabled: bool) -> Iterator[Callable[[str, int], Callable | None]]:
+def progress_bars(enabled: bool) -> Iterator[Callable[[str, int], Callable | None]]:
     """Yields task(label, total) -> on_step callback (None when progress is off)."""
     if not enabled:
         yield lambda label, total: None
@@ -194,7 +194,7 @@ def make_toy_experts(spec: ToySpec, out_dir: Path, progress: bool = True) -> Toy
         for i, d in enumerate(spec.domains)
     ]
     models = {}
-    with _progress(progress) as task, quiet_transformers():
+    with progress_bars(progress) as task, quiet_transformers():
         for label, data, steps, lr, seed, parent in runs:
             start = time.perf_counter()
             model = copy.deepcopy(models[parent]) if parent else init_model(config, spec.seed)
@@ -223,37 +223,15 @@ def make_toy_experts(spec: ToySpec, out_dir: Path, progress: bool = True) -> Toy
     return ToySet.load(out_dir)
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("MOEMERGE_CACHE") or Path.home() / ".cache" / "moemerge")
-
-
 def cached_toy_experts(
     spec: ToySpec = DEMO,
     cache_dir: Path | None = None,
     progress: bool = True,
     rebuild: bool = False,
 ) -> ToySet:
-    """The toy set of `spec`, made on first use and then read from the cache.
-
-    Built in a temporary sibling directory and renamed into place, so an interrupted build never
-    looks complete; when two processes race, the first rename wins and the loser uses its set.
-    """
+    """The toy set of `spec`, made on first use and then read from the cache (moemerge.toy.cache:
+    an interrupted make never looks complete)."""
     final = Path(cache_dir or cache_root()) / "toy" / spec.key()
-    sweep_stale(final.parent, f".{final.name}-")  # half-made sets of killed processes
-    if (final / TOYSET_FILE).is_file() and not rebuild:
-        return ToySet.load(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = owned_tempdir(final.parent, f".{final.name}-")
-    try:
-        make_toy_experts(spec, tmp, progress=progress)
-        if final.exists() and (rebuild or not (final / TOYSET_FILE).is_file()):
-            # a stale or half-made entry: move it aside first, so the rename below can succeed
-            shutil.rmtree(final.rename(tmp.with_name(tmp.name + "-old")), ignore_errors=True)
-        try:
-            tmp.rename(final)
-        except OSError:
-            if not (final / TOYSET_FILE).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return ToySet.load(final)
+    return ToySet.load(cached_entry(final, TOYSET_FILE,
+                                    lambda tmp: make_toy_experts(spec, tmp, progress=progress),
+                                    rebuild=rebuild))

@@ -15,15 +15,13 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from moemerge.errors import CheckpointError
-from moemerge.io.atomic import owned_tempdir, sweep_stale
 from moemerge.loading import quiet_transformers
-from moemerge.toy.experts import cache_root
+from moemerge.toy.cache import cache_root, cached_entry
 
 FORMAT_VERSION = 2  # bump when the conversion changes what it writes
 DONE_FILE = "pretrained.json"
@@ -106,25 +104,15 @@ def cached_pretrained(name: str = "smollm2", cache_dir: Path | None = None) -> P
     digest = _sha256(gguf)
     root = Path(cache_dir or cache_root()) / "pretrained"
     final = root / f"{name}-{digest[:12]}-v{FORMAT_VERSION}"
-    sweep_stale(final.parent, f".{final.name}-")
-    if (final / DONE_FILE).is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = owned_tempdir(final.parent, f".{final.name}-")
-    try:
+
+    def make(out: Path) -> None:
         start = time.perf_counter()
-        convert_gguf(gguf, tmp / "model")
-        (tmp / "model" / DONE_FILE).write_text(json.dumps({
+        convert_gguf(gguf, out)
+        (out / DONE_FILE).write_text(json.dumps({
             "source": source.name, "gguf": gguf.name, "sha256": digest,
             "seconds": round(time.perf_counter() - start, 1)}, indent=2) + "\n")
-        try:
-            (tmp / "model").rename(final)
-        except OSError:  # another process won the race: use its copy
-            if not (final / DONE_FILE).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+
+    return cached_entry(final, DONE_FILE, make)
 
 
 def _sha256(path: Path) -> str:

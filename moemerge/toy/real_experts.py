@@ -11,13 +11,17 @@ casts of 30 layers' weights every step costing more than AMX saves at this size)
       experts/<domain>/          bf16, the base's tokenizer and config
       data/<domain>.train.txt    the text each expert trained on
       data/<domain>.eval.txt     held-out text from documents disjoint from training
-      realset.json               spec, held-out perplexity of every model on every domain,
-                                 timings (written last: marks the set complete)
+      realset.json               spec, paths, held-out perplexity of every model on every
+                                 domain, timings (written last: marks the set complete);
+                                 `ToySet.load(dir, REALSET_FILE, RealExpertSpec)` reads it
+
+`cached_real_experts` keeps one set per (spec, base) under $MOEMERGE_CACHE.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import shutil
@@ -26,76 +30,151 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from moemerge.loading import quiet_transformers
+from moemerge.toy.cache import cache_root, cached_entry
 from moemerge.toy.corpora import domain_texts
+from moemerge.toy.experts import ToySet, progress_bars
 from moemerge.toy.train import token_stream, train_lm, window_loss
 
-DONE_FILE = "realset.json"
+FORMAT_VERSION = 1  # bump when the corpora or the training change what a spec makes
+REALSET_FILE = "realset.json"
+MIXTURE_FILE = "mixture.json"
 
 
 @dataclass(frozen=True)
 class RealExpertSpec:
-    """Everything that determines a set of real experts."""
+    """Everything that determines a set of real experts; `key()` names its cache entry."""
 
     base: str = "smollm2"
     domains: tuple[str, ...] = ("code", "prose", "math", "cpp")
-    steps: int = 300
+    # 120 steps of 8 × 128 tokens (123k tokens, ~8 min an expert on 2 cores)
+    steps: int = 120
     batch: int = 8
     seq_len: int = 128
-    lr: float = 2e-4
+    lr: float = 3e-4
     train_chars: int = 600_000  # per domain
     eval_chars: int = 60_000  # per domain
-    eval_tokens: int = 8192  # scored per domain
+    eval_tokens: int = 4096  # scored per domain for realset.json's table
     seed: int = 0
+
+    def key(self) -> str:
+        blob = json.dumps({"format": FORMAT_VERSION, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+REAL = RealExpertSpec()
 
 
 def make_real_experts(spec: RealExpertSpec, base: Path, out_dir: Path,
-                      on_step=None) -> dict:
+                      progress: bool = False) -> dict:
     """Train one expert per domain from `base` into `out_dir` (which must not exist); returns
-    what realset.json records. `on_step(domain, step, loss)` reports training."""
+    what realset.json records."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    clock = time.perf_counter()
     out_dir.mkdir(parents=True)
     shutil.copytree(base, out_dir / "base")
     tokenizer = AutoTokenizer.from_pretrained(base)
-    texts = {d: domain_texts(d, spec.train_chars, spec.eval_chars, spec.seed)
-             for d in spec.domains}
+    record = {"format": FORMAT_VERSION, "spec": asdict(spec), "base": "base", "experts": {},
+              "train_text": {}, "eval_text": {}, "perplexity": {}, "seconds": {}}
     (out_dir / "data").mkdir()
-    for domain, (train, held) in texts.items():
-        (out_dir / "data" / f"{domain}.train.txt").write_text(train)
-        (out_dir / "data" / f"{domain}.eval.txt").write_text(held)
-    streams = {d: (token_stream(tokenizer, t), token_stream(tokenizer, h))
-               for d, (t, h) in texts.items()}
-    record = {"spec": asdict(spec), "experts": {}, "perplexity": {}, "seconds": {}}
+    streams = {}
+    for domain in spec.domains:
+        train, held = domain_texts(domain, spec.train_chars, spec.eval_chars, spec.seed)
+        for split, text in (("train", train), ("eval", held)):
+            (out_dir / "data" / f"{domain}.{split}.txt").write_text(text, encoding="utf-8")
+            record[f"{split}_text"][domain] = f"data/{domain}.{split}.txt"
+        streams[domain] = (token_stream(tokenizer, train), token_stream(tokenizer, held))
 
     def score(model) -> dict[str, float]:
-        return {d: heldout_perplexity(model, held, spec.seq_len, spec.eval_tokens)
+        return {d: round(heldout_perplexity(model, held, spec.seq_len, spec.eval_tokens), 4)
                 for d, (_, held) in streams.items()}
 
     with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     record["perplexity"]["base"] = score(model)
     initial = {n: p.detach().clone() for n, p in model.named_parameters() if ".mlp." in n}
-    for domain, (train, _) in streams.items():
-        start = time.perf_counter()
-        with torch.no_grad():  # every expert branches from the base itself
-            for name, param in model.named_parameters():
-                param.requires_grad_(name in initial)
-                if name in initial:
-                    param.copy_(initial[name])
-        train_lm(model, [train], steps=spec.steps, batch=spec.batch, seq_len=spec.seq_len,
-                 lr=spec.lr, seed=spec.seed, weight_decay=0.0,
-                 on_step=(lambda step, loss, d=domain: on_step(d, step, loss))
-                 if on_step else None)
-        record["perplexity"][f"expert:{domain}"] = score(model)
-        target = out_dir / "experts" / domain
-        with quiet_transformers():  # bf16 as the base; the float32 model trains on
-            copy.deepcopy(model).to(torch.bfloat16).save_pretrained(target)
-            tokenizer.save_pretrained(target)
-        record["experts"][domain] = f"experts/{domain}"
-        record["seconds"][domain] = round(time.perf_counter() - start, 1)
-    (out_dir / DONE_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    with progress_bars(progress) as task:
+        for domain, (train, _) in streams.items():
+            start = time.perf_counter()
+            _train_ffns(model, initial, [train], spec.steps, spec, task(domain, spec.steps))
+            record["perplexity"][f"expert:{domain}"] = score(model)
+            _save_bf16(model, tokenizer, out_dir / "experts" / domain)
+            record["experts"][domain] = f"experts/{domain}"
+            record["seconds"][domain] = round(time.perf_counter() - start, 1)
+    record["seconds"]["total"] = round(time.perf_counter() - clock, 1)
+    (out_dir / REALSET_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+def _train_ffns(model, initial: dict, streams: list, steps: int, spec: RealExpertSpec,
+                on_step) -> None:
+    """Reset the FFNs to `initial` (the base's: every model branches from the base itself),
+    freeze everything else, and train the FFNs `steps` steps on `streams` (a batch's rows go
+    round the streams: equal shares of each)."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.requires_grad_(name in initial)
+            if name in initial:
+                param.copy_(initial[name])
+    train_lm(model, streams, steps=steps, batch=spec.batch, seq_len=spec.seq_len, lr=spec.lr,
+             seed=spec.seed, weight_decay=0.0, on_step=on_step)
+
+
+def _save_bf16(model, tokenizer, target: Path) -> None:
+    import torch
+
+    with quiet_transformers():  # bf16 as the base; the float32 model trains on
+        copy.deepcopy(model).to(torch.bfloat16).save_pretrained(target)
+        tokenizer.save_pretrained(target)
+
+
+def make_mixture_control(toyset: ToySet, out_dir: Path, extra_steps: int = 0,
+                         progress: bool = False) -> dict:
+    """Branch-Train-Mix's dense control: the base's FFNs trained on every domain at once, as
+    the experts were trained (same lr, batches, schedule, frozen rest) for as many steps as all
+    the experts together, plus `extra_steps` (those an MoE trains after the merge); written to
+    `out_dir` in bf16 with mixture.json (written last)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec, start = toyset.spec, time.perf_counter()
+    steps = len(spec.domains) * spec.steps + extra_steps
+    tokenizer = AutoTokenizer.from_pretrained(toyset.base)
+    streams = [token_stream(tokenizer, p.read_text(encoding="utf-8"))
+               for p in toyset.train_text.values()]
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(toyset.base, dtype=torch.float32)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters() if ".mlp." in n}
+    with progress_bars(progress) as task:
+        _train_ffns(model, initial, streams, steps, spec, task("all domains", steps))
+    _save_bf16(model, tokenizer, out_dir)
+    record = {"steps": steps, "seconds": round(time.perf_counter() - start, 1)}
+    (out_dir / MIXTURE_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def cached_mixture_control(toyset: ToySet, extra_steps: int = 0,
+                           progress: bool = True) -> Path:
+    """`make_mixture_control` of a cached real set, cached beside it."""
+    final = toyset.root.with_name(f"{toyset.root.name}-mixture-{extra_steps}")
+    return cached_entry(final, MIXTURE_FILE, lambda tmp: make_mixture_control(
+        toyset, tmp, extra_steps, progress=progress))
+
+
+def cached_real_experts(spec: RealExpertSpec = REAL, cache_dir: Path | None = None,
+                        progress: bool = True) -> ToySet:
+    """The real expert set of `spec`, made on first use (about 35 min on 2 cores for REAL) and
+    then read from the cache; its base is `cached_pretrained(spec.base)`."""
+    from moemerge.toy.pretrained import cached_pretrained
+
+    base = cached_pretrained(spec.base, cache_dir)
+    final = Path(cache_dir or cache_root()) / "real" / f"{base.name}-{spec.key()}"
+    entry = cached_entry(final, REALSET_FILE,
+                         lambda tmp: make_real_experts(spec, base, tmp, progress=progress))
+    return ToySet.load(entry, REALSET_FILE, RealExpertSpec)
 
 
 def heldout_perplexity(model, stream, seq_len: int, max_tokens: int) -> float:

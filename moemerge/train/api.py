@@ -27,7 +27,12 @@ from moemerge.train.config import TrainConfig
 from moemerge.train.data import Blocks, make_blocks
 from moemerge.train.export import export, write_json
 from moemerge.train.memory import enable_gradient_checkpointing
-from moemerge.train.params import check_aux_loss, learned_routing, select_trainable
+from moemerge.train.params import (
+    check_aux_loss,
+    learned_routing,
+    router_modules,
+    select_trainable,
+)
 
 
 @dataclass
@@ -89,7 +94,8 @@ def _check_space(cfg: TrainConfig, model: torch.nn.Module, names: list[str]) -> 
 def finetune(cfg: TrainConfig, *, console: Console | None = None,
              on_step: Callable[[dict], None] | None = None,
              config_file: Path | None = None) -> FinetuneResult:
-    """Train `cfg.train` parts of the MoE `cfg.model` on `cfg.data` and write `cfg.output`.
+    """Train `cfg.train` parts of the MoE `cfg.model` (or the whole of a dense model, with
+    `train: [all]`) on `cfg.data` and write `cfg.output`.
     `config_file`, the YAML `cfg` came from, is an input the output must stay apart from."""
     ctx = distributed.setup(cfg.device, cfg.fsdp, cfg.autocast)
     try:
@@ -227,6 +233,8 @@ def _reports(tmp: Path, cfg: TrainConfig, result: FinetuneResult, blocks: Blocks
     report.loss_plot(where / "loss.png", result.records)
     write_json(where / "summary.json", {"steps": result.steps, "trained": result.trained,
                                         "before": result.before, "after": result.after})
+    if not router_modules(result.model):  # a dense model trained --full: no routing to show
+        return
     config = result.model.config
     from moemerge.analysis.routing import expert_labels, routing_report
     from moemerge.analysis.routing_render import plot, summary_table

@@ -83,12 +83,13 @@ def select_trainable(model: torch.nn.Module, parts: list[str], where: str) -> li
     those the loss cannot reach (a non-learned router, a kept base: AdamW leaves them as they
     are; the task-vector router needs the base's requires_grad to score)."""
     routers = router_modules(model)
-    if not routers:
+    if not routers and parts != ["all"]:
         raise MismatchError(
             f"{where} is not an MoE: no MoE block with a router (a `gate` or `router` next to "
-            f"`experts`) in {type(model).__name__}, so there is nothing of an MoE to train. "
-            "finetune trains MoE models such as those `moemerge build` makes (Mixtral, "
-            "Qwen2-MoE, Qwen3-MoE, seq_routed, bridged, merged_experts).")
+            f"`experts`) in {type(model).__name__}, so it has no {', '.join(parts)} to train. "
+            "finetune trains parts of MoE models such as those `moemerge build` makes (Mixtral, "
+            "Qwen2-MoE, Qwen3-MoE, seq_routed, bridged, merged_experts); a dense model trains "
+            "whole with --full (e.g. the compute-matched control of an MoE).")
     prefixes = []
     if "routers" in parts:
         _check_router_trains(model, where)
@@ -107,6 +108,9 @@ def select_trainable(model: torch.nn.Module, parts: list[str], where: str) -> li
 def check_aux_loss(model: torch.nn.Module, coef: float, where: str) -> None:
     """--aux-loss-coef needs router logits to balance: refused for routing that is not learned
     (the model returns no aux_loss), rather than silently training without it."""
+    if coef > 0 and not router_modules(model):
+        raise RecipeError(f"--aux-loss-coef {coef}: {where} is dense; there is no router to "
+                          "balance; leave it at 0")
     if coef > 0 and is_merged_experts(model.config):
         raise RecipeError(f"--aux-loss-coef {coef}: {where} merges every expert per segment; "
                           "there is no top-k load to balance; leave it at 0")

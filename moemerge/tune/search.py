@@ -9,13 +9,14 @@ in memory ((N + 1) copies of that role's tensors: base and experts), then droppe
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from moemerge.data import SEP, domain_texts
+from moemerge.data import domain_texts
 from moemerge.errors import OutputError, RecipeError
 from moemerge.eval.perplexity import perplexity
 from moemerge.execute import Load, compute
@@ -57,9 +58,20 @@ class TuneResult:
     chosen: dict[str, tuple[float, float | None]]  # role -> (λ, density); absent = recipe's
 
 
-def read_held_out(path: Path | str) -> str:
-    """The held-out text of every domain `path` holds (moemerge.data's rules), joined."""
-    return SEP.join(domain_texts([str(path)], what="--tune-on").values())
+def read_held_out(path: Path | str) -> dict[str, str]:
+    """{domain: held-out text} of every domain `path` holds (moemerge.data's rules: a file is
+    one domain, a directory one per file)."""
+    return domain_texts([str(path)], what="--tune-on")
+
+
+def held_out_perplexity(model, tokenizer, texts: dict[str, str], opts: TuneOptions) -> float:
+    """The geometric mean over domains of each domain's perplexity on its first
+    max_tokens / N tokens: every domain weighs the same, however long its text (scoring the
+    first max_tokens of the texts joined would score mostly the first domain)."""
+    share = opts.max_tokens // len(texts)
+    logs = [math.log(perplexity(model, tokenizer, text, seq_len=opts.seq_len, max_tokens=share))
+            for text in texts.values()]
+    return math.exp(sum(logs) / len(logs))
 
 
 def check_options(opts: TuneOptions) -> None:
@@ -111,15 +123,23 @@ def tunable_jobs(plan: Plan) -> dict[str, list[Job]]:
     return {role: by_role[role] for role in ROLE_ORDER if role in by_role}
 
 
-def check_length(tokenizer, text: str, opts: TuneOptions) -> None:
-    n = len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
-    if n < opts.seq_len + 1:
-        raise RecipeError(f"--tune-on: {opts.text} has {n} tokens, fewer than one window of "
+def check_length(tokenizer, texts: dict[str, str], opts: TuneOptions) -> None:
+    """Every domain needs one window of seq_len + 1 tokens, within its share of max_tokens."""
+    share = opts.max_tokens // len(texts)
+    if share < opts.seq_len + 1:
+        raise RecipeError(f"--tune-max-tokens ({opts.max_tokens}) shared by {len(texts)} domains "
+                          f"of {opts.text} leaves {share} tokens each, fewer than one window of "
                           f"--tune-seq-len + 1 = {opts.seq_len + 1}")
+    for domain, text in texts.items():
+        n = len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+        if n < opts.seq_len + 1:
+            where = opts.text if len(texts) == 1 else f"{opts.text} ({domain})"
+            raise RecipeError(f"--tune-on: {where} has {n} tokens, fewer than one window of "
+                              f"--tune-seq-len + 1 = {opts.seq_len + 1}")
 
 
-def search(model, tokenizer, text: str, plan: Plan, load: Load, seed: int, opts: TuneOptions,
-           report: Callable[[Candidate], None] | None = None) -> TuneResult:
+def search(model, tokenizer, texts: dict[str, str], plan: Plan, load: Load, seed: int,
+           opts: TuneOptions, report: Callable[[Candidate], None] | None = None) -> TuneResult:
     """Tune each role in ROLE_ORDER over the grid, the other roles at their best so far; a role
     keeps the recipe's values unless a grid point beats the best so far by MIN_GAIN."""
     jobs = tunable_jobs(plan)
@@ -148,7 +168,7 @@ def search(model, tokenizer, text: str, plan: Plan, load: Load, seed: int, opts:
                 state[job.output].copy_(compute(job, cached, None, seed))
 
     def score(role: str, lam: float | None, density: float | None) -> float:
-        ppl = perplexity(model, tokenizer, text, seq_len=opts.seq_len, max_tokens=opts.max_tokens)
+        ppl = held_out_perplexity(model, tokenizer, texts, opts)
         candidates.append(Candidate(role, lam, density, ppl))
         if report is not None:
             report(candidates[-1])

@@ -123,7 +123,7 @@ def test_cache_root_from_env_and_interrupted_build_leaves_nothing(tmp_path, monk
     monkeypatch.setenv("MOEMERGE_CACHE", str(tmp_path))
 
     def interrupted(spec, out_dir, progress=True):
-        (out_dir / "base").mkdir()
+        (out_dir / "base").mkdir(parents=True)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(experts_module, "make_toy_experts", interrupted)

@@ -98,3 +98,32 @@ def test_bad_input_fails_before_any_work(model_factory, tmp_path, held_out):
     out.mkdir()
     code, text = run(ties, out, "--tune-on", held_out)
     assert code == 1 and "already exists" in text
+
+
+def test_several_domains_weigh_the_same(model_factory, tmp_path):
+    """A directory of domains: the score is the geometric mean of each domain's perplexity on
+    its own max_tokens / N tokens, not the first max_tokens of the texts joined (which would be
+    the long first domain alone); a domain too short for one window is named."""
+    import math
+
+    base = model_factory("llama")
+    experts = [perturbed_copy(base, tmp_path / f"e{i}", scale=0.3, seed=i) for i in range(2)]
+    texts = {"a_long": TEXT * 40, "b_short": "x = [i * i for i in range(10)]\n" * 30}
+    held = tmp_path / "held"
+    held.mkdir()
+    for name, text in texts.items():
+        (held / f"{name}.txt").write_text(text)
+    path = recipe(tmp_path, base, experts, "{method: task_arithmetic, lambda: 1.0}")
+    untuned = tmp_path / "untuned"
+    build(path, untuned, progress=False)
+    model, tok = load_causal_lm(untuned)
+    each = [perplexity(model, tok, t, seq_len=32, max_tokens=132) for t in texts.values()]
+    joined = perplexity(model, tok, "\n\n".join(texts.values()), seq_len=32, max_tokens=264)
+    result = build(path, tmp_path / "out", progress=False,
+                   tune=TuneOptions(held, **{**GRID, "lambdas": (1.0,)})).tuning
+    assert result.baseline == pytest.approx(math.sqrt(each[0] * each[1]), rel=1e-6)
+    assert abs(result.baseline - joined) > 1e-3 * joined  # the comparison can fail
+    (held / "c_tiny.txt").write_text("def add")
+    code, text = run(path, tmp_path / "out2", "--tune-on", held, "--tune-seq-len", "32")
+    text = " ".join(text.split())
+    assert code == 2 and "(c_tiny) has" in text and "fewer than one window" in text, text
