@@ -41,13 +41,13 @@ def _experts(paths: dict[str, Path], prompts: bool = False) -> list[str]:
     return lines
 
 
-def calibration(ts, seq_len: int) -> str:
+def calibration(ts, seq_len: int, tokens: int) -> str:
     """router.init: calibrate's block: each domain's training text, named after its expert."""
     data = ", ".join(f"{d}={p}" for d, p in ts.train_text.items())
-    return f"calibration: {{data: [{data}], max_tokens: 8192, seq_len: {seq_len}}}"
+    return f"calibration: {{data: [{data}], max_tokens: {tokens}, seq_len: {seq_len}}}"
 
 
-def recipes(ts, seed: int, prompt: int) -> dict[str, list[str]]:
+def recipes(ts, seed: int, prompt: int, tokens: int = 8192) -> dict[str, list[str]]:
     """{key: recipe lines} of every model built from the toy set `ts`. Sequence routers are
     calibrated on windows as long as the `prompt` they route on; token and segment routers on
     128-token windows."""
@@ -56,7 +56,7 @@ def recipes(ts, seed: int, prompt: int) -> dict[str, list[str]]:
     seq = [*moe, "assembly: seq_routed", base, *_experts(ts.experts),
            "per_expert: [embed, lm_head]"]
     merged = [*moe, "assembly: merged_experts", base, *_experts(ts.experts),
-              "segment_length: 16", "router: {init: calibrate}", calibration(ts, 128)]
+              "segment_length: 16", "router: {init: calibrate}", calibration(ts, 128, tokens)]
     models = ", ".join(map(str, ts.experts.values()))
     dense = ["kind: merge", f"seed: {seed}", base, f"models: [{models}]"]
     return {
@@ -66,10 +66,11 @@ def recipes(ts, seed: int, prompt: int) -> dict[str, list[str]]:
         "token_random": [*token, *_experts(ts.experts), "router: {init: random}"],
         "token_prompts": [*token, *_experts(ts.experts, prompts=True), "router: {init: prompts}"],
         "token_cal": [*token, *_experts(ts.experts), "router: {init: calibrate}",
-                      calibration(ts, 128)],
+                      calibration(ts, 128, tokens)],
         "seq_ppl": [*seq, "router: {kind: perplexity}"],
         "seq_tv": [*seq, "router: {kind: task_vector}"],
-        "seq_cal": [*seq, "router: {kind: learned, init: calibrate}", calibration(ts, prompt)],
+        "seq_cal": [*seq, "router: {kind: learned, init: calibrate}",
+                    calibration(ts, prompt, tokens)],
         "merged_cal": [*merged, "curvature: {kind: none}"],
         "camex_cal": [*merged, "curvature: {kind: kronecker}"],
         "upcycle": ["kind: upcycle", f"model: {ts.base}", f"experts: {len(ts.experts)}",
@@ -134,7 +135,8 @@ class Models:
             steps, lr = self.steps(t.phase)
             return finetune(self.ts, parent, out, list(t.parts), steps, lr, seed, self.args)
         tune = self.tune if key in ("dense_ties", "dense_dare") else None
-        result = build_result(recipes(self.ts, seed, self.args.prompt_tokens)[key], out, tune)
+        result = build_result(recipes(self.ts, seed, self.args.prompt_tokens,
+                                             self.args.calibration_tokens)[key], out, tune)
         if result.tuning is not None:
             self.tuned[key] = result.tuning.chosen
         return out

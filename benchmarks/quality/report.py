@@ -155,12 +155,20 @@ def setup(result: dict) -> str:
             + "); routers are calibrated on the training text.")
 
 
+def _exact(row: dict, task: str) -> str:
+    """Greedy exact-match accuracy on a task, the mean over seeds."""
+    if not row.get("exact"):
+        return "–"
+    return f"{sum(seed[task] for seed in row['exact']) / len(row['exact']):.0%}"
+
+
 def markdown(result: dict) -> str:
     rows, s = result["rows"], result["settings"]
     for row in rows.values():  # results saved before the geometric mean was kept lack it
         row["summary"] = summary(row["per_seed"])
     domains = list(next(iter(rows.values()))["summary"]["domains"])
     n = len(domains)
+    tasks = list(next((r["exact"][0] for r in rows.values() if r.get("exact")), {}))
     what = "toy" if "hidden" in result["spec"] else "real (SmolLM2-135M)"
     lines = [
         f"# Quality: merge-into-MoE kinds, routers and methods on the {result['preset']} "
@@ -192,10 +200,15 @@ def markdown(result: dict) -> str:
         "share of a domain's tokens whose top-2 holds its own expert (token_routed, every "
         f"layer; chance {2 / n:.0%}), of its windows sent to its own expert (seq_routed, "
         f"top-1; chance {1 / n:.0%}), or the mean routing weight on its own expert "
-        f"(merged_experts / CAMEx, every layer; chance {1 / n:.0%}).", "",
+        f"(merged_experts / CAMEx, every layer; chance {1 / n:.0%})."
+        + (f" *math EM*: the share of {s['exact_match']} held-out math problems whose final "
+           "value (after the last ' = ' of the worked answer, given the problem, the working "
+           "and up to 3 problems before it) greedy decoding gets exactly; *code EM*: the share "
+           f"of {s['exact_match']} held-out code lines (at least 12 characters, given up to 96 "
+           "tokens before them) it writes exactly, newline included." if tasks else ""), "",
         "| model | " + " | ".join(domains) + " | mean | geo mean | vs dense | wins | "
-        "own expert | seeds |",
-        "|---|" + "---:|" * (n + 6)]
+        "own expert | seeds |" + "".join(f" {t} EM |" for t in tasks),
+        "|---|" + "---:|" * (n + 6 + len(tasks))]
     for label, row in rows.items():
         sm = row["summary"]
         spread = f" ({sm['min']:.2f}–{sm['max']:.2f})" if sm["seeds"] > 1 else ""
@@ -204,7 +217,8 @@ def markdown(result: dict) -> str:
         won = wins(row, matched[1]) if matched else "–"
         lines.append(f"| {label} | " + " | ".join(f"{sm['domains'][d]:.2f}" for d in domains)
                      + f" | {sm['mean']:.2f}{spread} | {sm.get('geomean', float('nan')):.2f} | "
-                     f"{versus} | {won} | {_own(row, domains)} | {sm['seeds']} |")
+                     f"{versus} | {won} | {_own(row, domains)} | {sm['seeds']} |"
+                     + "".join(f" {_exact(row, t)} |" for t in tasks))
     routed = {label: row for label, row in rows.items() if row.get("own")}
     if routed:
         lines += ["", "Own-expert share per domain (as the *own expert* column; mean over seeds):",

@@ -45,15 +45,19 @@ ROUTED = ("token_", "seq_", "merged_", "camex_")  # keys of MoEs whose experts a
 
 
 # per preset: the options' defaults and the rows it leaves out. On the real base a training
-# step is ~30× a toy's: one seed, fewer steps and tokens, a smaller tuning grid, and no rows
-# whose every weight trains (the full fine-tune and the upcycled MoE: ~15 min each)
+# step is ~30× a toy's: one seed, fewer steps and tokens, a smaller tuning grid and calibration
+# sample, no rows whose every weight trains (the full fine-tune and the upcycled MoE: ~15 min
+# each), and of the rows that repeat another's question (DARE beside TIES, routers trained from
+# random beside from calibrate, merged_experts' routers beside CAMEx's) only one
 PRESETS = {
     "quality": ({}, set()),
     "demo": ({}, set()),
     "smollm2": ({"seeds": 1, "steps": 30, "lr": 3e-3, "full_steps": 0, "batch_size": 8,
                  "max_tokens": 2048, "tune_chars": 4000, "tune_lambdas": "0.5,1.0",
-                 "tune_densities": "0.5,0.9"},
-                {"dense+pipeline", "token_cal+r+f", "upcycle+f"}),
+                 "tune_densities": "0.5,0.9", "exact_match": 40, "calibration_tokens": 1024,
+                 "eval_fraction": 0.005},
+                {"dense+pipeline", "token_cal+r+f", "upcycle+f", "dense_dare", "token_random+r",
+                 "merged_cal+r"}),
 }
 
 
@@ -109,28 +113,50 @@ def split_held_out(text: str) -> tuple[str, str]:
 
 
 class Scorer:
-    """Test perplexity of one model at a time, and where its routers send each domain."""
+    """Test perplexity of one model at a time, where its routers send each domain, and (with
+    `exact` > 0) greedy exact match on the math and code test texts."""
 
     def __init__(self, texts: dict[str, str], args):
         self.texts, self.args = texts, args
         self.kw = {"seq_len": 128, "max_tokens": args.max_tokens,
                    "prompt_tokens": args.prompt_tokens}
+        self.items: dict[str, list] = {}
 
-    def __call__(self, key: str, ref) -> tuple[dict[str, float], dict[str, float] | None]:
-        """({domain: perplexity}, {domain: own-expert share} or None)."""
+    def __call__(self, key: str, ref) -> tuple[dict, dict | None, dict | None]:
+        """({domain: perplexity}, {domain: own-expert share} or None, {task: exact-match
+        accuracy} or None)."""
         from moemerge.eval.perplexity import perplexity_table
+        from moemerge.loading import load_causal_lm
 
+        model, tokenizer = ref if isinstance(ref, tuple) else load_causal_lm(ref)
+        exact = self.exact_match(model, tokenizer)
         if not key.startswith(ROUTED):
-            return perplexity_table({key: ref}, self.texts, **self.kw)[key], None
-        from moemerge.analysis.routing import load_moe, routing_report
+            return perplexity_table({key: (model, tokenizer)}, self.texts, **self.kw)[key], \
+                None, exact
+        from moemerge.analysis.routing import routing_report
 
-        model, tokenizer = load_moe(ref)
         report = routing_report(model, tokenizer, self.texts, labels=list(self.texts), **self.kw)
         # token / sequence level: the share of tokens (windows) whose top-k holds their own
         # expert (each fills k slots, at most one its own); weight level: the mean weight on it
         k = 1 if report.level == "weight" else report.experts_per_token
         own = {d: k * r.mean_share[report.labels.index(d)] for d, r in report.domains.items()}
-        return {d: r.perplexity for d, r in report.domains.items()}, own
+        return {d: r.perplexity for d, r in report.domains.items()}, own, exact
+
+    def exact_match(self, model, tokenizer) -> dict[str, float] | None:
+        """Greedy exact match (moemerge.eval.exact_match): the final value of held-out math
+        problems, the next line of held-out code; None without --exact-match items."""
+        from moemerge.eval.exact_match import code_items, greedy_matches, math_items
+
+        n = self.args.exact_match
+        if not n or not {"math", "code"} & set(self.texts):
+            return None
+        if not self.items:  # the same items for every model (one tokenizer: the experts')
+            if "math" in self.texts:
+                self.items["math"] = math_items(self.texts["math"], n)
+            if "code" in self.texts:
+                self.items["code"] = code_items(self.texts["code"], tokenizer, n)
+        return {task: sum(greedy_matches(model, tokenizer, items)) / len(items)
+                for task, items in self.items.items()}
 
 
 def main() -> None:
@@ -148,6 +174,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=12000, help="test tokens per domain")
     parser.add_argument("--tune-chars", type=int, default=8000,
                         help="validation characters per domain for λ / density tuning")
+    parser.add_argument("--exact-match", type=int, default=0, help="held-out math problems "
+                        "and code lines per model scored by greedy exact match (0: none)")
+    parser.add_argument("--calibration-tokens", type=int, default=8192,
+                        help="calibration tokens per domain for router.init: calibrate")
     parser.add_argument("--tune-lambdas", default="0.3,0.5,0.7,1.0")
     parser.add_argument("--tune-densities", default="0.5,0.7,0.9")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -189,12 +219,15 @@ def main() -> None:
         for label, key, trained in rows(ts, args):
             if only and key not in only:
                 continue
-            start, row = time.perf_counter(), {"key": key, "per_seed": [], "own": []}
+            start = time.perf_counter()
+            row = {"key": key, "per_seed": [], "own": [], "exact": []}
             for seed in range(args.seeds if trained else 1):
-                perplexities, own = score(key, models.get(key, seed))
+                perplexities, own, exact = score(key, models.get(key, seed))
                 row["per_seed"].append(perplexities)
                 if own is not None:
                     row["own"].append(own)
+                if exact is not None:
+                    row["exact"].append(exact)
                 print(f"{label} (seed {seed}): " + ", ".join(f"{d} {v:.2f}" for d, v in
                                                              perplexities.items()), flush=True)
             row |= {"steps": trained_steps(key, models), "summary": summary(row["per_seed"]),

