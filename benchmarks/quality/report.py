@@ -205,7 +205,7 @@ def markdown(result: dict) -> str:
            "value (after the last ' = ' of the worked answer, given the problem, the working "
            "and up to 3 problems before it) greedy decoding gets exactly; *code EM*: the share "
            f"of {s['exact_match']} held-out code lines (at least 12 characters, given up to 96 "
-           "tokens before them) it writes exactly, newline included." if tasks else ""), "",
+           "tokens before them) it writes exactly and ends there." if tasks else ""), "",
         "| model | " + " | ".join(domains) + " | mean | geo mean | vs dense | wins | "
         "own expert | seeds |" + "".join(f" {t} EM |" for t in tasks),
         "|---|" + "---:|" * (n + 6 + len(tasks))]

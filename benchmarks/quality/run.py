@@ -155,8 +155,8 @@ class Scorer:
                 self.items["math"] = math_items(self.texts["math"], n)
             if "code" in self.texts:
                 self.items["code"] = code_items(self.texts["code"], tokenizer, n)
-        return {task: sum(greedy_matches(model, tokenizer, items)) / len(items)
-                for task, items in self.items.items()}
+        return {task: sum(greedy_matches(model, tokenizer, items, line=task == "code"))
+                / len(items) for task, items in self.items.items()}
 
 
 def main() -> None:

@@ -7,12 +7,13 @@ decoding steps; the result is the same as `generate(do_sample=False)`'s.
 Two tasks users recognise, made from held-out text:
 - math: the final value of a worked answer ("... = 85."), given the problem, the working before
   it and the problems before it in the same document;
-- code: the next line of a source file (with its newline), given up to `context` tokens before it.
+- code: the next line of a source file, ended there (the next token starts with a newline),
+  given up to `context` tokens before it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -30,8 +31,10 @@ def answer_ids(tokenizer, prompt: str, answer: str) -> tuple[list[int], list[int
 
 
 @torch.no_grad()
-def greedy_continues(model, head: Sequence[int], tail: Sequence[int]) -> bool:
-    """Whether greedy decoding from the ids `head` produces the ids `tail` next."""
+def greedy_continues(model, head: Sequence[int], tail: Sequence[int],
+                     then: Callable[[int], bool] | None = None) -> bool:
+    """Whether greedy decoding from the ids `head` produces the ids `tail` next, and (with
+    `then`) a token for which `then` holds after them."""
     from moemerge.modeling.pretrained_moemerge import CACHE
 
     if not head or not tail:
@@ -39,18 +42,24 @@ def greedy_continues(model, head: Sequence[int], tail: Sequence[int]) -> bool:
     device = next(model.parameters()).device
     first = model(input_ids=torch.tensor([list(head)], device=device), use_cache=True)
     logits = [first.logits[0, -1:]]  # [1, V]: predicts tail[0]
-    if len(tail) > 1:  # the answer's tokens but the last, through the prompt's cache
-        rest = model(input_ids=torch.tensor([list(tail[:-1])], device=device), use_cache=True,
+    fed = list(tail) if then else list(tail[:-1])  # the tokens whose next one is checked
+    if fed:  # through the prompt's cache, as decoding runs
+        rest = model(input_ids=torch.tensor([fed], device=device), use_cache=True,
                      **{CACHE: first[CACHE]})
-        logits.append(rest.logits[0])  # [len(tail) - 1, V]
-    return torch.cat(logits).argmax(-1).tolist() == list(tail)
+        logits.append(rest.logits[0])  # [len(fed), V]
+    guess = torch.cat(logits).argmax(-1).tolist()
+    return guess[:len(tail)] == list(tail) and (then is None or then(guess[-1]))
 
 
-def greedy_matches(model, tokenizer, items: Sequence[tuple[str, str]]) -> list[bool]:
+def greedy_matches(model, tokenizer, items: Sequence[tuple[str, str]],
+                   line: bool = False) -> list[bool]:
     """For each (prompt, answer): whether greedy decoding from `prompt` begins with `answer`'s
-    tokens (as the tokenizer splits prompt + answer)."""
+    tokens (as the tokenizer splits prompt + answer); with `line`, then ends the line (its next
+    token starts with a newline: BPEs merge a newline with the next line's indent, so the
+    newline is not part of the answer)."""
     model.eval()
-    return [greedy_continues(model, *answer_ids(tokenizer, prompt, answer))
+    ends = (lambda t: tokenizer.decode([t]).startswith("\n")) if line else None
+    return [greedy_continues(model, *answer_ids(tokenizer, prompt, answer), ends)
             for prompt, answer in items]
 
 
@@ -71,15 +80,15 @@ def math_items(text: str, count: int) -> list[tuple[str, str]]:
 
 def code_items(text: str, tokenizer, count: int, context: int = 96,
                min_chars: int = 12) -> list[tuple[str, str]]:
-    """(up to `context` tokens of the file before a line, that line with its newline) for
+    """(up to `context` tokens of the file before a line, that line without its newline) for
     `count` lines of at least `min_chars` non-blank characters, spread evenly over `text`
     (documents separated by blank lines; a line's context stays within its document)."""
     candidates = []
     for doc in text.split("\n\n"):
         lines = doc.split("\n")
-        for i in range(3, len(lines) - 1):  # the last line of a document has no newline
+        for i in range(3, len(lines) - 1):  # a line that a newline ends
             if len(lines[i].strip()) >= min_chars:
-                candidates.append(("\n".join(lines[:i]) + "\n", lines[i] + "\n"))
+                candidates.append(("\n".join(lines[:i]) + "\n", lines[i]))
     stride = max(1, len(candidates) // count)
     items = []
     for before, line in candidates[::stride][:count]:

@@ -41,6 +41,9 @@ def test_matches_generate(models, name):
         tail = out[0, len(head):].tolist()
         assert greedy_continues(model, head, tail)
         assert greedy_continues(model, head, tail[:1])  # a one-token answer: no second forward
+        # `then` checks the token after the answer: the one greedy decoding produced, or not
+        assert greedy_continues(model, head, tail[:3], then=lambda t, n=tail[3]: t == n)
+        assert not greedy_continues(model, head, tail[:3], then=lambda t, n=tail[3]: t != n)
         for i in (0, NEW - 1):  # the comparison can fail: any token changed
             wrong = tail.copy()
             wrong[i] = (wrong[i] + 1) % 256
@@ -63,4 +66,5 @@ def test_items_from_the_corpora(tokenizer):
         assert " = " not in value  # the final value only
     code = code_items(domain_text("code", 40_000, split="eval"), tokenizer, 20, context=32)
     assert len(code) == 20
-    assert all(line.endswith("\n") and len(line.strip()) >= 12 for _, line in code)
+    assert all("\n" not in line and len(line.strip()) >= 12 for _, line in code)
+    assert all(prompt.endswith("\n") for prompt, _ in code)
