@@ -112,5 +112,7 @@ def parts_line(parts: dict[str, dict | None], what: str = "parts") -> str:
     for name, record in parts.items():
         key = commit_text(record) + (f" on {record['date'][:10]}" if record else "")
         groups.setdefault(key, []).append(name)
+    if len(groups) == 1:
+        return f"{what.capitalize()} made at: {next(iter(groups))} (all {len(parts)})."
     return f"{what.capitalize()} made at: " + "; ".join(
         f"{key} ({', '.join(names)})" for key, names in groups.items()) + "."
