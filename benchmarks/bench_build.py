@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from stamp import provenance, stamp_line
 
 RESULTS = Path(__file__).parent / "results"
 METHODS = ("average", "ties", "dare_ties")
@@ -202,18 +201,18 @@ def report(opts, runs: dict, largest: int, params: int) -> None:
             "throughput_mib_s": round(floor["out_bytes"] / 2**20 / r["seconds"], 1),
         })
     meta = {
-        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} "
-        "cores", "python": platform.python_version(),
         "models": f"4 × llama hidden {opts.hidden}, {opts.layers} layers, vocab 8192, "
                   f"{params / 1e6:.0f}M params, fp32",
         "largest_tensor_mib": round(largest / 2**20, 1), "idle_torch_rss_mib": round(idle, 1),
     }
+    stamp = provenance()
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "build.json").write_text(json.dumps({"meta": meta, "runs": rows}, indent=2) + "\n")
+    (RESULTS / "build.json").write_text(json.dumps({"provenance": stamp, "meta": meta,
+                                                    "runs": rows}, indent=2) + "\n")
     head = ("| run | s | × I/O floor | × mergekit time | peak RSS above idle (MiB) | "
             "× mergekit RSS | output MiB/s |")
-    lines = [f"# build benchmark ({meta['date']})", "",
-             "; ".join(f"{k}: {v}" for k, v in meta.items() if k != "date"), "", head,
+    lines = ["# build benchmark", "", stamp_line(stamp), "",
+             "; ".join(f"{k}: {v}" for k, v in meta.items()), "", head,
              "|---|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join("–" if v is None else str(v) for v in r.values()) + " |"
               for r in rows]

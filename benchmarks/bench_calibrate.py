@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from stamp import provenance, stamp_line
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -92,8 +92,7 @@ def main() -> None:
             recipe.write_text(recipe_text(shapes, data, tokens))
             rows[label] = run_build(recipe, Path(tmp) / "out", args.repeats)
             print(label, json.dumps(rows[label]), flush=True)
-    result = {"shape": args.shape, "layers": args.layers, "date": time.strftime("%Y-%m-%d"),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+    result = {"provenance": provenance(), "shape": args.shape, "layers": args.layers,
               "params_per_model": shapes["made"]["params"], "rows": rows}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "calibrate.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -106,7 +105,8 @@ def markdown(result: dict) -> str:
     plain = rows["random routers"]
     lines = [
         f"# `router.init: calibrate` at {result['shape']}'s shapes ({result['layers']} layers)", "",
-        f"`python benchmarks/bench_calibrate.py` — {result['machine']}; {result['date']}. A "
+        stamp_line(result["provenance"]), "",
+        "`python benchmarks/bench_calibrate.py`: a "
         f"token-routed MoE (top-1) of 2 experts with {result['shape']}'s shapes, bf16, "
         f"{result['params_per_model'] / 1e6:.0f}M parameters each, built in a fresh process "
         "(fastest of the repeats; peak RSS the process's VmHWM; bytes written from "

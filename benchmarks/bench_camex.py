@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from stamp import provenance, stamp_line
 
 RESULTS = Path(__file__).parent / "results"
 VARIANTS = {  # label: (recipe lines, parts trained)
@@ -70,7 +69,7 @@ def markdown(result: dict) -> str:
     domains = list(next(iter(rows.values()))["after"])
     first = next(iter(rows.values()))["before"]
     lines = [f"# Merged experts (CAMEx) on the {result['preset']} toy experts", "",
-             f"{result['machine']}; torch {result['torch']}; {result['date']}. Every variant: "
+             stamp_line(result["provenance"]), "", "Every variant: "
              f"{result['steps']} steps of {result['batch_size']} × {result['seq_len']} tokens, "
              f"lr {result['lr']}, experts frozen; segments of {result['segment']} tokens.", "",
              "Held-out perplexity (lower is better); step time relative to the same mask "
@@ -114,11 +113,9 @@ def main() -> None:
             variants[label] = train_variant(ts, model, Path(tmp) / f"t{i}", parts, args)
             print(label, variants[label]["after"], f"{variants[label]['step_s']:.3f} s/step")
     saving = (sizes["Domain-specific-CA"] - sizes["Dynamic-CA"]) // 4  # fp32 parameters
-    result = {"preset": args.preset, "steps": args.steps, "seq_len": args.seq_len,
-              "batch_size": args.batch_size, "lr": args.lr, "segment": args.segment,
-              "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              "variants": variants, "dynamic_saving": saving,
+    result = {"provenance": provenance(), "preset": args.preset, "steps": args.steps,
+              "seq_len": args.seq_len, "batch_size": args.batch_size, "lr": args.lr,
+              "segment": args.segment, "variants": variants, "dynamic_saving": saving,
               "dynamic_saving_fraction": saving * 4 / sizes["Domain-specific-CA"]}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "camex.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from stamp import provenance, stamp_line
 
 RESULTS = Path(__file__).parent / "results"
 CHILD = """
@@ -121,9 +122,8 @@ def main() -> None:
         runs = {m: run_mode(m, moe, data, work / m, args) for m in modes}
     model = (f"{args.shape} shape, {args.layers} layers, 2 experts" if args.shape
              else f"{args.preset} MoE")
-    result = {"model": model, "steps": args.steps, "seq_len": args.seq_len,
-              "batch_size": args.batch_size, "runs": list(runs.values()),
-              "machine": f"{platform.machine()}, {platform.python_version()}"}
+    result = {"provenance": provenance(), "model": model, "steps": args.steps,
+              "seq_len": args.seq_len, "batch_size": args.batch_size, "runs": list(runs.values())}
     lines = []
     if {"router-only", "full"} <= runs.keys():
         ratio = runs["router-only"]["tokens_per_s"] / runs["full"]["tokens_per_s"]
@@ -142,8 +142,8 @@ def main() -> None:
                      f"{r['peak_rss_bytes'] / 2**20:,.0f} |" for r in runs.values())
     (RESULTS / f"{name}.md").write_text(
         f"# finetune: router-only, full and checkpointed ({model}, CPU)\n\n"
-        f"{args.steps} steps, batch {args.batch_size} × {args.seq_len} tokens, one process, "
-        f"{result['machine']}.\n\n"
+        f"{stamp_line(result['provenance'])}\n\n"
+        f"{args.steps} steps, batch {args.batch_size} × {args.seq_len} tokens, one process.\n\n"
         f"| mode | tokens/s (median) | peak RSS (MiB) |\n|---|---:|---:|\n{rows}\n\n"
         + "\n\n".join(lines) + "\n")
     print((RESULTS / f"{name}.md").read_text())

@@ -10,11 +10,11 @@ reports the process's peak RSS above the inputs. Results: benchmarks/results/lst
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 from pathlib import Path
 
 import torch
+from stamp import commit_text, provenance
 
 from moemerge.merge.least_squares import padded_average_fit
 
@@ -43,9 +43,12 @@ def main() -> None:
     seconds = time.perf_counter() - t0
     peak = status_mib("VmHWM")
     inputs = sum(t.numel() * 2 for t in (*sources, own)) / 2**20
+    stamp = provenance()
+    made = (f"{commit_text(stamp)}, {stamp['date'][:10]}, torch {stamp['torch']}, "
+            f"{stamp['machine']} × {stamp['cpus']} CPUs")
     line = (f"| {opts.vocab} × {opts.width} ({opts.experts} sources), own width {opts.own} | "
             f"{seconds:.1f} | {max(0.0, peak - before):.0f} | {inputs:.0f} | "
-            f"{tuple(solution.shape)} |")
+            f"{tuple(solution.shape)} | {made} |")
     print(line)
     RESULTS.mkdir(exist_ok=True)
     file = RESULTS / "lstsq.md"
@@ -54,10 +57,10 @@ def main() -> None:
             "# Bridged least-squares projector fit at real vocabulary sizes\n\n"
             "`python benchmarks/bench_lstsq.py` (random bf16 inputs in memory; float64 normal "
             "equations from blocks of 8192 rows). Peak: the process's peak RSS above the "
-            "inputs, MiB.\n\n"
-            f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, 2 cores, torch "
-            f"{torch.__version__}\n\n| inputs | seconds | peak above inputs MiB | inputs MiB | "
-            "solution |\n|---|---|---|---|---|\n")
+            "inputs, MiB. Each row is appended by one run, with its provenance "
+            "(benchmarks/stamp.py) in the last column.\n\n"
+            "| inputs | seconds | peak above inputs MiB | inputs MiB | solution | made with |\n"
+            "|---|---|---|---|---|---|\n")
     file.write_text(file.read_text() + line + "\n")
 
 

@@ -39,12 +39,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from stamp import provenance, stamp_line
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -235,17 +236,6 @@ def mergekit_recipe(root: Path, base: str, experts: list[str], kind: str, method
     return path
 
 
-def versions() -> dict:
-    import importlib.metadata as md
-    out = {"python": platform.python_version()}
-    for pkg in ("torch", "transformers", "safetensors", "moemerge"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="llama-3.2-1b")
@@ -380,11 +370,9 @@ def report(opts, runs: dict, made: dict) -> None:
             "written_gb": round(r["written_bytes"] / 1e9, 2) if "written_bytes" in r else None,
             "out_gb": round(r["out_bytes"] / 1e9, 2) if "out_bytes" in r else None,
         })
+    stamp = provenance()
     meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-                   f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB",
-        "device": opts.device, "workers": opts.workers, **versions(),
+        "device": opts.device, "workers": opts.workers,
         "mergekit": mergekit_version(opts.mergekit),
         "inputs": f"{tag}: 1 base + {opts.experts} experts, {info['params'] / 1e9:.2f}B params "
                   f"each, {info['model_bytes'] / 1e9:.2f} GB bf16 in {info['shards']} shard(s), "
@@ -401,7 +389,7 @@ def report(opts, runs: dict, made: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
     file = RESULTS / "scale.json"
     everything = json.loads(file.read_text()) if file.is_file() else {}
-    everything[tag] = {"meta": meta, "runs": rows}
+    everything[tag] = {"provenance": stamp, "meta": meta, "runs": rows}
     file.write_text(json.dumps(everything, indent=2) + "\n")
     lines = ["| run | build s | command s | × I/O floor | × mergekit time | peak RSS MiB | "
              "× mergekit RSS | read GB | written GB | output GB |",
@@ -410,8 +398,8 @@ def report(opts, runs: dict, made: dict) -> None:
               for row in rows]
     table = "\n".join(lines)
     (RESULTS / f"scale-{tag}.md").write_text(
-        f"## {tag} ({meta['date']})\n\n" + "; ".join(f"{k}: {v}" for k, v in meta.items()
-                                                   if k != "date") + "\n\n" + table + "\n")
+        f"## {tag}\n\n{stamp_line(stamp)}\n\n" + "; ".join(f"{k}: {v}" for k, v in meta.items())
+        + "\n\n" + table + "\n")
     print(table)
 
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from stamp import provenance, stamp_line
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -113,7 +113,7 @@ def cost(ts, seq_dir: Path, prompt_len: int, new_tokens: int, repeats: int) -> l
 def markdown(result: dict) -> str:
     table, domains = result["perplexity"], list(next(iter(result["perplexity"].values())))
     lines = [f"# Sequence-routed kinds: quality and routing cost ({result['preset']} toy experts)",
-             "", f"{result['machine']}; torch {result['torch']}; {result['date']}.", "",
+             "", stamp_line(result["provenance"]), "",
              f"Perplexity on held-out text, windows of 129 tokens: the first "
              f"{result['prompt_tokens']} are the prompt (where sequence-routed models choose "
              "their experts), the rest are scored through the KV cache. Lower is better.", "",
@@ -152,9 +152,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         moes = build_models(ts, Path(tmp))
         result = {
-            "preset": args.preset, "prompt_tokens": args.prompt_tokens,
-            "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "provenance": provenance(), "preset": args.preset,
+            "prompt_tokens": args.prompt_tokens,
             "perplexity": quality(ts, moes, args.prompt_tokens, args.max_tokens),
             "cost": cost(ts, moes["seq_routed, task_vector"], args.cost_prompt,
                          args.new_tokens, args.repeats),

@@ -13,6 +13,8 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+from stamp import provenance, stamp_line
+
 RESULTS = Path(__file__).parent / "results" / "shared_expert.md"
 CHOICES = ("none", "base", "average")
 
@@ -54,6 +56,7 @@ def main() -> None:
                          per_domain, [r[0] for r in runs]))
     lines = [
         "# Qwen2-MoE shared expert: none vs base vs average (untrained routers)", "",
+        stamp_line(provenance()), "",
         f"Toy set `{args.spec}` with family qwen2 (hidden {spec.hidden}, {spec.layers} layers, "
         f"3 domain experts branched from one base), 3 experts, k = 2, random routers, "
         f"{args.seeds} router seeds; held-out perplexity, {args.max_tokens} tokens per domain, "

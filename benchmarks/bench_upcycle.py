@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "quality"))
 from models import add_training_options, build, finetune, train_dense  # noqa: E402
+from stamp import parts_line, provenance, stamp_line  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 VARIANTS = {  # key: (label, recipe lines[, finetune config fields])
@@ -76,8 +77,11 @@ def markdown(result: dict) -> str:
     lines = [
         "# Upcycling on the toy set: 4 copies × m, with and without Drop-Upcycling, against a "
         "dense control", "",
-        f"`python benchmarks/bench_upcycle.py --seeds {s['seeds']} --steps {s['steps']}` "
-        f"({result['date']}, {result['machine']}, torch {result['torch']}). The demo's dense "
+        stamp_line(result["provenance"]), "", parts_line(
+            {f"{k} seed {i}": r.get("provenance") for k, row in result["rows"].items()
+             for i, r in enumerate(row["per_seed"])}, "trained runs"), "",
+        f"`python benchmarks/bench_upcycle.py --seeds {s['seeds']} --steps {s['steps']}`. "
+        "The demo's dense "
         "base (Llama, hidden 64, 2 layers, d_ff 256, vocab 2048) made into 4 copies of its FFN "
         "× granularity m (k = 2 copies per token: top-2·m of 4·m experts, `virtual_group` "
         "router), with and without Drop-Upcycling (`reinit: {ratio: 0.5}`); each trained by "
@@ -134,21 +138,17 @@ def main() -> None:
                 clock = time.perf_counter()
                 row = run_one(key, seed, ts, args, texts, Path(tmp))
             row["seconds"] = time.perf_counter() - clock
+            row["provenance"] = provenance()
             file.write_text(json.dumps(row))
             done += 1
             print(f"{key} seed {seed}: {row['seconds']:.0f} s, trained "
                   + ", ".join(f"{d} {v:.2f}" for d, v in row["trained"].items()), flush=True)
-    import os
-    import platform
-
     runs = {key: [json.loads((cache / f"{key}-{s}.json").read_text())
                   for s in range(args.seeds)] for key in ("dense", *VARIANTS)}
     labels = {"dense": "dense control (base + same training)"} | {
         k: v[0] for k, v in VARIANTS.items()}
     result = {
-        "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.threads} threads",
-        "settings": settings,
+        "provenance": provenance(), "settings": settings,
         "train_seconds": sum(r["seconds"] for v in runs.values() for r in v),
         "rows": {k: {"label": labels[k], "trained": summarise(v, "trained"),
                      "start": summarise(v, "start"), "per_seed": v} for k, v in runs.items()},

@@ -9,7 +9,7 @@ transformers 5 reads `rope_parameters`, transformers 4 reads `rope_theta`; an ou
 one of them understands loads in the other with the MoE class's defaults (Mixtral: rope_theta
 1e6) and silently gives other logits. This builds an MoE from perturbed experts for every source
 family with the installed moemerge (transformers 5), computes logits here, then in a Python that
-has transformers 4.4x (`--python`), and records the max |diff|.
+has transformers 4 (`--python`; the floor moemerge admits, 4.56.2), and records the max |diff|.
 
     python3 -m venv /tmp/t4 && /tmp/t4/bin/pip install torch==2.13.0 "transformers==4.56.2"
     python benchmarks/compat_transformers4.py --python /tmp/t4/bin/python
@@ -23,10 +23,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from stamp import provenance, stamp_line
 
 RESULTS = Path(__file__).parent / "results"
 LOGITS = r"""
@@ -99,7 +99,7 @@ def build_moe(root: Path, family: str, kind: str = "token_routed") -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--python", required=True, help="a Python with transformers 4.5x")
+    parser.add_argument("--python", required=True, help="a Python with transformers 4 (4.56.2)")
     opts = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,7 +133,7 @@ def main() -> None:
         rows.append({"family": "llama (control: rope_parameters only)",
                      "output": config["architectures"][0],
                      "transformers_5": v5, "transformers_4": v4, "max_abs_diff": diff})
-    lines = [f"# transformers 4 vs 5 on moemerge outputs ({time.strftime('%Y-%m-%d')})", "",
+    lines = ["# transformers 4 vs 5 on moemerge outputs", "", stamp_line(provenance()), "",
              "| source | output | transformers 5 | transformers 4 | max abs logit diff |",
              "|---|---|---|---|---|"]
     lines += [f"| {r['family']} | {r['output']} | {r['transformers_5']} | {r['transformers_4']} "

@@ -39,6 +39,7 @@ from moemerge.toy import make_random_model, train_tokenizer
 RESULTS = Path(__file__).parent / "results"
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_cases import CASES, RANDOM_CASES  # noqa: E402
+from stamp import provenance  # noqa: E402
 
 
 def ensure_mergekit(venv: Path) -> tuple[Path, str]:
@@ -231,7 +232,7 @@ def main() -> None:
 
         models = sets["llama"]
         params = sum(t.numel() for t in load_file(models[0] / "model.safetensors").values())
-        meta = {"mergekit": version, "torch": torch.__version__, "hidden": opts.hidden,
+        meta = {"provenance": provenance(), "mergekit": version, "hidden": opts.hidden,
                 "layers": opts.layers, "params": params}
         exact = exact_rows(root, bin_dir, model_sets)
         exact.append(moe_row(root, bin_dir, models))

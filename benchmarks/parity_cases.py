@@ -157,11 +157,15 @@ def _g(x) -> str:
 
 
 def markdown(meta: dict, exact: list[dict], randoms: list[dict]) -> str:
+    from stamp import stamp_line
+
     lines = [
         "# Parity with mergekit",
         "",
-        f"`python benchmarks/mergekit_parity.py`: mergekit {meta['mergekit']}, torch "
-        f"{meta['torch']}, a random Llama (hidden {meta['hidden']}, {meta['layers']} layers, "
+        stamp_line(meta["provenance"]),
+        "",
+        f"`python benchmarks/mergekit_parity.py`: mergekit {meta['mergekit']}, "
+        f"a random Llama (hidden {meta['hidden']}, {meta['layers']} layers, "
         f"{meta['params'] / 1e6:.1f}M parameters, float32; a Qwen3 of the same shape where the "
         "row says so) and three copies with N(0, 0.01²) "
         "noise; weights 1, 0.6, 1.4 where the method takes weights. max |Δ| is over every "

@@ -10,8 +10,9 @@ llama.cpp comes from the `llama-cpp-python` sdist, built for this CPU (llamacpp.
     python benchmarks/downstream/run.py [--cache /tmp/moemerge-downstream] [--cases a,b]
 
 Everything but the results is cached under --cache, each case and file once, so a run may be
-split (`--cases`) and resumed; results per case go to CACHE/results/NAME.json, and the table of
-every case found there to benchmarks/results/downstream.md.
+split (`--cases`) and resumed; results per case go to CACHE/results/NAME.json (with the
+provenance of the run that measured it), and the table of every case found there to
+benchmarks/results/downstream.md (the writer's provenance, and each case's commit and day).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from pathlib import Path
 import llamacpp
 import real_tokenizers
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from stamp import parts_line, provenance, stamp_line  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 64, 2, 4, 2, 128
@@ -218,6 +222,7 @@ def run_case(cache: Path, case: Case) -> dict:
             row[f"{label}_{outtype}"] = compare(cache, model, gguf, wins)
             print(f"  {label} {outtype}: {row[f'{label}_{outtype}']}")
     row["seconds"] = round(time.time() - t0, 1)
+    row["provenance"] = provenance()
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(row, indent=1))
     return row
@@ -232,7 +237,8 @@ def _cell(r: dict, bf16: bool) -> str:
 
 
 def table(rows: list[dict], llama_cpp: str) -> str:
-    lines = [f"# llama.cpp vs transformers on moemerge outputs ({time.strftime('%Y-%m-%d')})", "",
+    lines = ["# llama.cpp vs transformers on moemerge outputs", "", stamp_line(provenance()), "",
+             parts_line({r["case"]: r.get("provenance") for r in rows}, "cases"), "",
              "Written by `benchmarks/downstream/run.py` ([README](../downstream/README.md)). "
              "Each GGUF cell: max |Δlogit| / relative perplexity difference, llama.cpp "
              f"(vendored in the {llama_cpp} sdist, built for CPU; f32 KV cache) against "
