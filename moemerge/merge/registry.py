@@ -92,9 +92,15 @@ class MethodSpec:
     def problem(self, values: dict[str, object]) -> str | None:
         """Why these parameter values (defaults filled in) do not go together, or None."""
         full = {p.name: values.get(p.name, p.default) for p in self.params}
+        # gradients (lists) are checked where they are evaluated, per tensor
         if self.constraint is None or any(isinstance(v, list) for v in full.values()):
             return None
-        return self.constraint(full)
+        models = max((len(v) for v in full.values() if isinstance(v, tuple)), default=0)
+        if not models:
+            return self.constraint(full)
+        # per-model values (tuples): each model's own combination
+        return next((problem for i in range(models) if (problem := self.constraint(
+            {k: v[i] if isinstance(v, tuple) else v for k, v in full.items()}))), None)
 
     @property
     def needs_base(self) -> bool:
