@@ -147,11 +147,18 @@ Setting = float | list[float] | list[Condition]
 def as_conditions(value: object) -> object:
     """Before pydantic reads a setting: one condition alone is a list of one; true/false where
     a number is expected is an error, not 1.0."""
-    raw = [c.get("value") if isinstance(c, dict) else c for c in (
-        value if isinstance(value, list) else [value])]
-    if any(isinstance(v, bool) for v in raw for v in (v if isinstance(v, list) else [v])):
+    if any(isinstance(v, bool) for v in _raw_numbers(value)):
         raise ValueError(f"must be a number, a list of numbers or of conditions, got {value!r}")
     return [value] if isinstance(value, dict) else value
+
+
+def _raw_numbers(value: object) -> list[object]:
+    """The values of a setting as YAML gave them (conditions' and gradients' unpacked)."""
+    if isinstance(value, dict):
+        return _raw_numbers(value.get("value"))
+    if isinstance(value, list):
+        return [v for item in value for v in _raw_numbers(item)]
+    return [value]
 
 
 def setting_values(setting: object) -> list[float]:
