@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import yaml
 
 from moemerge import __version__
@@ -92,7 +94,7 @@ def model_card(recipe, plan: Plan, recipe_text: str) -> str:
         bases = [m.model for m in refs]
         what = f"a dense `{recipe.merge.method}` merge of {len(recipe.inputs)} models"
         details = ["| model | weight |", "|---|---|",
-                   *(f"| {m.model} | {m.weight:g} |" for m in recipe.models)]
+                   *(f"| {m.model} | {_setting_text(m.weight)} |" for m in recipe.models)]
         if recipe.slices:
             what += f", {len(recipe.slices)} slices of their layers stacked"
             details = ["| slice | sources (layers [start, end)) |", "|---|---|",
@@ -112,3 +114,11 @@ def model_card(recipe, plan: Plan, recipe_text: str) -> str:
         f"{len(plan.jobs)} tensors, {size:,.1f} MiB.", "",
         "## Recipe", "", "```yaml", recipe_text.rstrip(), "```", "",
     ])
+
+
+def _setting_text(setting: object) -> str:
+    """A model's weight as the recipe gives it: a number, a gradient, or its conditions."""
+    if isinstance(setting, float | int):
+        return f"{setting:g}"
+    return json.dumps(setting if not hasattr(setting[0], "model_dump") else [
+        c.model_dump(exclude_none=True) for c in setting]).replace("|", "\\|")

@@ -22,7 +22,7 @@ def methods(
 ) -> None:
     """List the merge methods (or one method's parameters) a recipe's `merge` block takes."""
     from moemerge.errors import RecipeError
-    from moemerge.merge.reference import default_text, methods_table
+    from moemerge.merge.reference import default_text, methods_table, weights_text
 
     if name is None:
         columns = [Column("method", "left", key=True), Column("inputs", "left"),
@@ -39,14 +39,20 @@ def methods(
         raise RecipeError(f"unknown merge method {name!r}; choose from {', '.join(METHOD_NAMES)}")
     spec = REGISTRY[name]
     out.print(f"[bold]{spec.name}[/]: {spec.summary} ({spec.paper})")
+    out.print(f"models' weights: {WEIGHTS[weights_text(spec)]}")
     columns = [Column("parameter", "left", key=True), Column("default", "left"),
                Column("values", "left"), Column("tuned", "left"),
-               Column("meaning", "left", prose=True)]
+               Column("per model", "left"), Column("meaning", "left", prose=True)]
     rows = [[p.name, default_text(p),
              ("list or " if p.kind is float else "") + p.range_text().replace("\\|", "|"),
-             "yes" if p.tunable else "", p.doc] for p in spec.params]
+             "yes" if p.tunable else "", "yes" if p.per_model else "", p.doc]
+            for p in spec.params]
     out.print(Fitted(columns, [[escape(c) for c in row] for row in rows])
               if spec.params else "no parameters")
+
+
+WEIGHTS = {"signed": "signed (a negative weight subtracts a model)",
+           "≥ 0": "0 or more, not all 0", "–": "not used"}
 
 
 def _inputs(base: str, models: str) -> str:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from moemerge.merge.primitives import check_density, keep_count
+from moemerge.merge.primitives import PerModel, check_density, keep_count, per_model
 
 BLOCK_ELEMENTS = 1 << 18  # 1 MiB per float32 block: a few of them per model stay in cache
 _BUCKETS = 1 << 16  # the top 16 bits of a non-negative float32: exponent and 7 mantissa bits
@@ -86,30 +86,41 @@ def unless_l1(base: Tensor | None, tensors: Sequence[Tensor], blocks: list[slice
 
 
 def trim_thresholds(base: Tensor, tensors: Sequence[Tensor], blocks: list[slice], *,
-                    density: float, trim_rounding: str = "ceil", **params) -> dict:
+                    density: PerModel, trim_rounding: str = "ceil", **params) -> dict:
     """TIES's per-model cut-offs: the k-th largest |τ_i| over the whole tensor, k =
-    keep_count(n, density); [N] float32, or nothing to pass at density 1."""
-    check_density(density)
+    keep_count(n, density_i); 0 for a model at density 1 (it keeps everything); [N] float32,
+    or nothing to pass when every density is 1."""
+    densities = per_model(density, len(tensors))
+    for d in densities:
+        check_density(d)
     n = base.numel()
-    if density == 1.0 or n == 0:
+    if all(d == 1.0 for d in densities) or n == 0:
         return {}
-    k = keep_count(n, density, trim_rounding)
-    return {"thresholds": torch.stack([kth_largest(_magnitudes(base, t, blocks), k)
-                                       for t in tensors])}
+    return {"thresholds": torch.stack([
+        kth_largest(_magnitudes(base, t, blocks), keep_count(n, d, trim_rounding))
+        if d < 1.0 else torch.zeros(()) for t, d in zip(tensors, densities, strict=True)])}
 
 
 def outlier_thresholds(base: Tensor, tensors: Sequence[Tensor], blocks: list[slice], *,
-                       density: float, gamma: float, trim_rounding: str = "ceil",
+                       density: PerModel, gamma: PerModel, trim_rounding: str = "ceil",
                        **params) -> dict:
-    """Breadcrumbs' per-model band [low, high] of kept magnitudes (sparse.trim_outliers)."""
-    check_density(density)
+    """Breadcrumbs' per-model band [low, high] of kept magnitudes (sparse.trim_outliers);
+    [0, inf] for a model at density 1."""
+    densities, gammas = per_model(density, len(tensors)), per_model(gamma, len(tensors))
+    for d in densities:
+        check_density(d)
     n = base.numel()
-    if density == 1.0 or n == 0:
+    if all(d == 1.0 for d in densities) or n == 0:
         return {}
-    keep = keep_count(n, density, trim_rounding)
-    bottom = max(0, n - keep - int(gamma * n))
-    bands = [(kth_largest(parts, n - bottom), kth_largest(parts, n - bottom - keep + 1))
-             for parts in (_magnitudes(base, t, blocks) for t in tensors)]
+    bands = []
+    for t, d, g in zip(tensors, densities, gammas, strict=True):
+        if d == 1.0:
+            bands.append((0.0, float("inf")))
+            continue
+        parts = _magnitudes(base, t, blocks)
+        keep = keep_count(n, d, trim_rounding)
+        bottom = max(0, n - keep - int(g * n))
+        bands.append((kth_largest(parts, n - bottom), kth_largest(parts, n - bottom - keep + 1)))
     return {"bands": torch.tensor(bands, dtype=torch.float32)}  # [N, 2]: low, high
 
 

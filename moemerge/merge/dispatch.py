@@ -10,12 +10,14 @@ from torch import Tensor
 
 from moemerge.merge import blocks
 from moemerge.merge.methods import Weights, weights_of
-from moemerge.merge.registry import MethodSpec, all_params, get
+from moemerge.merge.registry import REGISTRY, MethodSpec, Param, all_params, get
 
 
-def call_arguments(spec: MethodSpec, params: dict[str, object]) -> dict[str, object]:
+def call_arguments(spec: MethodSpec, params: dict[str, object],
+                   n_models: int | None = None) -> dict[str, object]:
     """The keyword arguments of `spec`'s function: every parameter of the method, the given
-    value (by recipe name, or `lam` for `lambda`) or the registry's default. Parameters of other
+    value (by recipe name, or `lam` for `lambda`) or the registry's default. A per-model
+    parameter may be a sequence of one value per model (`n_models` of them). Parameters of other
     methods are ignored (the recipe refuses them); unknown names and out-of-range values are
     errors."""
     anywhere = {n for p in all_params().values() for n in (p.name, p.arg)}
@@ -26,11 +28,37 @@ def call_arguments(spec: MethodSpec, params: dict[str, object]) -> dict[str, obj
     args = {}
     for p in spec.params:
         value = given.get(p.name, given.get(p.arg, p.default))
-        problem = p.check(value)
-        if problem:
-            raise ValueError(f"{p.name} {problem}")
+        for one in _each_model(p, value, n_models):
+            problem = p.check(one)
+            if problem:
+                raise ValueError(f"{p.name} {problem}")
         args[p.arg] = value
     return args
+
+
+def _each_model(p: Param, value: object, n_models: int | None) -> list[object]:
+    """The values of one parameter: itself, or its per-model values (checked in number)."""
+    if not isinstance(value, list | tuple):
+        return [value]
+    if not p.per_model:
+        raise ValueError(f"{p.name} takes one value for all models, got {list(value)}")
+    if n_models is not None and len(value) != n_models:
+        raise ValueError(f"{p.name}: {len(value)} per-model values for {n_models} models")
+    return list(value)
+
+
+def check_weights(spec: MethodSpec, weights: Weights, n_models: int) -> None:
+    """Weights in number; signed only where the method is linear in them (a negative weight
+    subtracts a model); else at least 0 and not all 0."""
+    w = weights_of(weights, n_models, normalize=False)
+    if spec.signed_weights or not spec.weights:
+        return
+    if (w < 0).any():
+        signed = ", ".join(m.name for m in REGISTRY.values() if m.signed_weights)
+        raise ValueError(f"{spec.name} takes no negative weight, got {w.tolist()} (signed "
+                         f"weights: {signed})")
+    if w.sum() <= 0:
+        raise ValueError(f"weights sum to {w.sum().item():g}; they must sum to more than 0")
 
 
 def merge(method: str, *, base: Tensor | None, tensors: Sequence[Tensor], weights: Weights = None,
@@ -58,8 +86,8 @@ def merge(method: str, *, base: Tensor | None, tensors: Sequence[Tensor], weight
     shapes = {tuple(t.shape) for t in tensors} | ({tuple(base.shape)} if uses_base else set())
     if len(shapes) > 1:
         raise ValueError(f"tensors of different shapes cannot be merged: {sorted(shapes)}")
-    weights_of(weights, len(tensors), normalize=False)  # checks length and sum for every method
-    kwargs = call_arguments(spec, params)
+    check_weights(spec, weights, len(tensors))
+    kwargs = call_arguments(spec, params, len(tensors))
     if not tensors[0].is_floating_point():
         return tensors[0]
     rows = blocks.row_blocks(tensors[0].shape, block or blocks.BLOCK_ELEMENTS)

@@ -15,9 +15,11 @@ import torch
 from torch import Tensor
 
 from moemerge.merge.primitives import (
+    PerModel,
     dare_drop,
     disjoint_mean,
     elect_sign,
+    per_model,
     task_vectors,
     trim_to_density,
 )
@@ -28,17 +30,21 @@ Weights = Sequence[float] | Tensor | None
 
 
 def weights_of(weights: Weights, n: int, normalize: bool) -> Tensor:
-    """[n] float32 weights (default all 1), divided by their sum when `normalize`."""
+    """[n] float32 weights (default all 1), divided by their sum when `normalize` (which must
+    then be above 0; signed weights are checked against the method in merge/dispatch.py)."""
     if weights is None:
         w = torch.ones(n)
     else:
         w = torch.tensor([float(x) for x in weights], dtype=torch.float32)
     if w.numel() != n:
         raise ValueError(f"{w.numel()} weights for {n} models")
+    if not normalize:
+        return w
     total = w.sum()
     if total <= 0:
-        raise ValueError(f"weights sum to {total.item():g}; they must sum to more than 0")
-    return w / total if normalize else w
+        raise ValueError(f"weights sum to {total.item():g}; normalized weights must sum to more "
+                         "than 0")
+    return w / total
 
 
 def combine(stack: Tensor, w: Tensor) -> Tensor:
@@ -55,9 +61,10 @@ def _weighted_sum(tensors: Sequence[Tensor], w: Tensor) -> Tensor:
     return out
 
 
-def average(tensors: Sequence[Tensor], weights: Weights = None) -> Tensor:
-    """Σ w_i θ_i / Σ w_i."""
-    return _weighted_sum(tensors, weights_of(weights, len(tensors), normalize=True))
+def average(tensors: Sequence[Tensor], weights: Weights = None, normalize: bool = True) -> Tensor:
+    """Σ w_i θ_i / Σ w_i; without `normalize` the weighted sum Σ w_i θ_i (mergekit's linear with
+    normalize: false)."""
+    return _weighted_sum(tensors, weights_of(weights, len(tensors), normalize))
 
 
 def task_arithmetic(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
@@ -77,7 +84,7 @@ def consensus_merge(base: Tensor, taus: Tensor, w: Tensor, lam: float, *, normal
 
 
 def ties(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
-         density: float = DEFAULT_DENSITY, lam: float = DEFAULT_LAMBDA,
+         density: PerModel = DEFAULT_DENSITY, lam: float = DEFAULT_LAMBDA,
          trim_rounding: str = "ceil", normalize: bool = True, consensus: str = "sum",
          zero_vote: str = "none", thresholds: Tensor | None = None) -> Tensor:
     """θ_base + λ · disjoint_mean(trim(τ), elect_sign(w · trim(τ)), w). `thresholds`: the
@@ -88,17 +95,18 @@ def ties(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
                            zero_vote=zero_vote)
 
 
-def _dare(base: Tensor, tensors: Sequence[Tensor], density: float,
+def _dare(base: Tensor, tensors: Sequence[Tensor], density: PerModel,
           generator: torch.Generator | None, rescale: str = "expectation") -> Tensor:
-    """[N, *shape] dropped-and-rescaled task vectors. One generator for the output tensor,
-    consumed in expert order; None means a fixed seed 0 (reproducible, never the global RNG)."""
+    """[N, *shape] dropped-and-rescaled task vectors, each at its model's density. One
+    generator for the output tensor, consumed in expert order; None means a fixed seed 0
+    (reproducible, never the global RNG)."""
     generator = generator if generator is not None else torch.Generator().manual_seed(0)
-    return torch.stack([dare_drop(t, density, generator, rescale)
-                        for t in task_vectors(base, tensors)])
+    return torch.stack([dare_drop(t, d, generator, rescale) for t, d in zip(
+        task_vectors(base, tensors), per_model(density, len(tensors)), strict=True)])
 
 
 def dare_linear(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
-                density: float = DEFAULT_DENSITY, lam: float = DEFAULT_LAMBDA,
+                density: PerModel = DEFAULT_DENSITY, lam: float = DEFAULT_LAMBDA,
                 normalize: bool = True, generator: torch.Generator | None = None,
                 rescale: str = "expectation") -> Tensor:
     """θ_base + λ Σ w_i DARE(τ_i)."""
@@ -107,7 +115,7 @@ def dare_linear(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None
 
 
 def dare_ties(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
-              density: float = DEFAULT_DENSITY, lam: float = DEFAULT_LAMBDA,
+              density: PerModel = DEFAULT_DENSITY, lam: float = DEFAULT_LAMBDA,
               generator: torch.Generator | None = None, rescale: str = "expectation",
               normalize: bool = True, consensus: str = "sum", zero_vote: str = "none") -> Tensor:
     """θ_base + λ · disjoint_mean(DARE(τ), elect_sign(w · DARE(τ)), w): DARE replaces the trim."""

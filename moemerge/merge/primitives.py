@@ -24,6 +24,19 @@ def task_vectors(base: Tensor, tensors: Sequence[Tensor]) -> Tensor:
     return torch.stack([t.float() - base for t in tensors])
 
 
+PerModel = float | Sequence[float]  # one value for every model, or one per model
+
+
+def per_model(value: PerModel, n: int) -> list[float]:
+    """A parameter's value for each of `n` models: a scalar repeated, or its own per model."""
+    if isinstance(value, int | float):
+        return [float(value)] * n
+    values = [float(v) for v in value]
+    if len(values) != n:
+        raise ValueError(f"{len(values)} per-model values for {n} models")
+    return values
+
+
 def check_density(density: float) -> None:
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density}")
@@ -38,25 +51,35 @@ def keep_count(numel: int, density: float, rounding: str = "ceil") -> int:
     return max(1, min(numel, math.ceil(density * numel - 1e-9)))
 
 
-def trim_to_density(taus: Tensor, density: float, rounding: str = "ceil",
+def trim_to_density(taus: Tensor, density: PerModel, rounding: str = "ceil",
                     thresholds: Tensor | None = None) -> Tensor:
-    """TIES "trim": per task vector keep the top `density` fraction of entries by magnitude.
+    """TIES "trim": per task vector keep the top `density` fraction of entries by magnitude
+    (one density for all, or one per model).
 
     The threshold is the k-th largest |τ| found with `kthvalue` (linear time, no sort); entries
     tied with it are kept, so slightly more than k may survive. density 1 keeps everything.
     `thresholds` [N]: the cut-offs, found beforehand over the whole tensor (a row block's trim,
     merge/blocks.py)."""
-    check_density(density)
+    densities = per_model(density, taus.shape[0])
+    for d in densities:
+        check_density(d)
     taus = taus.float()
-    if density == 1.0:
+    if all(d == 1.0 for d in densities):
         return taus
     flat = taus.reshape(taus.shape[0], -1).abs()  # [N, numel]
     if thresholds is None:
-        numel = flat.shape[1]
-        k = keep_count(numel, density, rounding)
-        # the (numel − k + 1)-th smallest is the k-th largest
-        thresholds = flat.kthvalue(numel - k + 1, dim=1).values  # [N]
+        thresholds = torch.stack([trim_threshold(row, d, rounding)
+                                  for row, d in zip(flat, densities, strict=True)])
     return (taus.reshape(flat.shape) * (flat >= thresholds[:, None])).reshape(taus.shape)
+
+
+def trim_threshold(magnitudes: Tensor, density: float, rounding: str = "ceil") -> Tensor:
+    """The smallest magnitude the trim keeps in one flat task vector: the k-th largest
+    (the (numel − k + 1)-th smallest), or 0 at density 1 (everything kept)."""
+    if density == 1.0 or magnitudes.numel() == 0:
+        return magnitudes.new_zeros(())
+    numel = magnitudes.numel()
+    return magnitudes.kthvalue(numel - keep_count(numel, density, rounding) + 1).values
 
 
 def _per_model(weights: Tensor, taus: Tensor) -> Tensor:

@@ -35,20 +35,28 @@ def params_text(spec: MethodSpec) -> str:
     return ", ".join(f"`{p.name}` {default_text(p)}" for p in spec.params) or "–"
 
 
+def weights_text(spec: MethodSpec) -> str:
+    """How a method takes the models' weights: signed, non-negative, or not at all."""
+    if spec.target is None or not spec.weights:
+        return "–"
+    return "signed" if spec.signed_weights else "≥ 0"
+
+
 def methods_table() -> list[list[str]]:
-    """One row per method: name, what it does, base, models, parameters (default), paper, MoE."""
+    """One row per method: name, what it does, base, models, parameters (default), paper, MoE,
+    weights."""
     return [[m.name, m.summary, base_text(m), models_text(m), params_text(m), m.paper,
-             "no: " + m.moe if m.moe else "yes"] for m in METHOD_SPECS]
+             "no: " + m.moe if m.moe else "yes", weights_text(m)] for m in METHOD_SPECS]
 
 
 def params_table() -> list[list[str]]:
-    """One row per parameter: name, values, tunable, meaning, methods."""
+    """One row per parameter: name, values, tunable, per model, meaning, methods."""
     rows = []
     for name, p in all_params().items():
         users = [m.name for m in METHOD_SPECS if m.param(name)]
         kind = "per-layer list or " if p.kind is float else ""
-        rows.append([name, kind + p.range_text(), "yes" if p.tunable else "", p.doc,
-                     ", ".join(users)])
+        rows.append([name, kind + p.range_text(), "yes" if p.tunable else "",
+                     "yes" if p.per_model else "", p.doc, ", ".join(users)])
     return rows
 
 
@@ -60,10 +68,12 @@ def _markdown(header: list[str], rows: list[list[str]]) -> list[str]:
 def markdown() -> str:
     out = [BEGIN, "", "Methods (defaults in the parameters column):", ""]
     out += _markdown(["method", "what it does", "needs a base", "models", "parameters",
-                      "paper", "in an MoE's shared tensors"], methods_table())
-    out += ["", "Parameters (a float may be a per-layer list, see [gradients](#gradients)):", ""]
-    out += _markdown(["parameter", "values", "tuned by `--tune-on`", "meaning", "methods"],
-                     params_table())
+                      "paper", "in an MoE's shared tensors", "models' weights"], methods_table())
+    out += ["", "Parameters (a float may be a per-layer list, see [gradients](#gradients); "
+            "those marked per model may also be set in a model's own entry, see "
+            "[per-model parameters](recipes.md#per-model-parameters)):", ""]
+    out += _markdown(["parameter", "values", "tuned by `--tune-on`", "per model", "meaning",
+                      "methods"], params_table())
     return "\n".join([*out, "", END])
 
 

@@ -22,7 +22,8 @@ class Param:
     """One recipe parameter. `kind` is float, int, bool or a tuple of allowed strings. Float
     ranges: `low` < x (or ≤ with `low_closed`), x ≤ `high` (or < with `high_open`). A float
     parameter may also be a list: a per-layer gradient (values spread evenly over the layers,
-    interpolated linearly, as in mergekit)."""
+    interpolated linearly, as in mergekit). `per_model`: a model's entry in the recipe may set
+    its own value (mergekit's tensor parameters), which wins over the merge block's."""
 
     name: str
     kind: type | tuple[str, ...]
@@ -33,6 +34,7 @@ class Param:
     low_closed: bool = False
     high_open: bool = False
     tunable: bool = False
+    per_model: bool = False
 
     @property
     def arg(self) -> str:
@@ -79,6 +81,7 @@ class MethodSpec:
     min_models: int = 1
     max_models: int | None = None
     weights: bool = True  # uses the models' `weight`
+    signed_weights: bool = False  # linear in the weights: a negative weight subtracts a model
     random: bool = False  # takes the per-tensor generator
     moe: str | None = None  # why it cannot merge the non-FFN tensors of an MoE, if it cannot
     constraint: Callable[[dict], str | None] | None = None  # across parameters, on scalars
@@ -89,9 +92,15 @@ class MethodSpec:
     def problem(self, values: dict[str, object]) -> str | None:
         """Why these parameter values (defaults filled in) do not go together, or None."""
         full = {p.name: values.get(p.name, p.default) for p in self.params}
+        # gradients (lists) are checked where they are evaluated, per tensor
         if self.constraint is None or any(isinstance(v, list) for v in full.values()):
             return None
-        return self.constraint(full)
+        models = max((len(v) for v in full.values() if isinstance(v, tuple)), default=0)
+        if not models:
+            return self.constraint(full)
+        # per-model values (tuples): each model's own combination
+        return next((problem for i in range(models) if (problem := self.constraint(
+            {k: v[i] if isinstance(v, tuple) else v for k, v in full.items()}))), None)
 
     @property
     def needs_base(self) -> bool:
@@ -99,6 +108,12 @@ class MethodSpec:
 
     def param(self, name: str) -> Param | None:
         return next((p for p in self.params if p.name == name), None)
+
+    @property
+    def per_model(self) -> tuple[str, ...]:
+        """The parameters a model's own entry may set (`weight` is not one: it is the model's
+        for every method that takes weights)."""
+        return tuple(p.name for p in self.params if p.per_model)
 
     @property
     def tunable(self) -> tuple[str, ...]:
@@ -123,7 +138,7 @@ def _load(target: str | None) -> Callable:
 LAMBDA = Param("lambda", float, 1.0, "scale of the merged task vector", low=-1000.0, high=1000.0,
                low_closed=True, tunable=True)
 DENSITY = Param("density", float, 0.7, "fraction of each task vector's entries kept",
-                low=0.0, high=1.0, tunable=True)
+                low=0.0, high=1.0, tunable=True, per_model=True)
 NORMALIZE = Param("normalize", bool, True, "divide the weights by their sum (linear methods) or "
                   "by the agreeing models' weights (sign-consensus methods)")
 ROUNDING = Param("trim_rounding", ("ceil", "floor"), "ceil", "entries kept: ceil(d·n) (ties at "
@@ -135,9 +150,12 @@ CONSENSUS = Param("consensus", ("sum", "count"), "sum", "sign election by mass (
 RESCALE = Param("rescale", ("expectation", "l1", "none"), "expectation", "survivors × 1/p (p "
                 "their keep probability), × ‖τ‖₁/‖kept‖₁ per tensor (mergekit), or not at all")
 GAMMA = Param("gamma", float, 0.01, "fraction of largest-magnitude entries dropped",
-              low=0.0, high=1.0, low_closed=True, high_open=True)
+              low=0.0, high=1.0, low_closed=True, high_open=True, per_model=True)
 EPSILON = Param("epsilon", float, 0.15, "keep probabilities spread over density ± epsilon by "
-                "magnitude rank", low=0.0, high=1.0, low_closed=True, high_open=True)
+                "magnitude rank", low=0.0, high=1.0, low_closed=True, high_open=True,
+                per_model=True)
+SCALE = Param("scale", float, 1.0, "factor the tensor is multiplied by (0 silences it)",
+              low=-1000.0, high=1000.0, low_closed=True, per_model=True)
 T = Param("t", float, 0.5, "interpolation factor: 0 gives the first model, 1 the second",
           low=0.0, high=1.0, low_closed=True)
 MAX_ITER = Param("max_iter", int, 10, "Karcher iterations at most", low=0, low_closed=False)
@@ -166,22 +184,23 @@ def _spec(name, summary, paper, base, params=(), target=None, blocks=None, **kw)
 
 METHOD_SPECS = (
     _spec("base", "the base model's tensor, copied", "–", "required"),
-    _spec("average", "weighted mean of the models", "Wortsman et al. 2022, model soups",
-          "ignored", target="methods:average", blocks="elementwise"),
+    _spec("average", "weighted mean of the models (weighted sum without normalize)",
+          "Wortsman et al. 2022, model soups", "ignored", (NORMALIZE,), "methods:average",
+          "elementwise", signed_weights=True),
     _spec("task_arithmetic", "base + λ Σ w τ", "Ilharco et al. 2023", "required",
-          (LAMBDA, NORMALIZE), "methods:task_arithmetic", "elementwise"),
+          (LAMBDA, NORMALIZE), "methods:task_arithmetic", "elementwise", signed_weights=True),
     _spec("ties", "trim, elect sign, disjoint mean", "Yadav et al. 2023", "required",
           (DENSITY, LAMBDA, ROUNDING, *CONSENSUS_PARAMS), "methods:ties", "trim_thresholds"),
     _spec("dare_linear", "random drop and rescale, then task arithmetic", "Yu et al. 2024",
           "required", (DENSITY, LAMBDA, NORMALIZE, RESCALE), "methods:dare_linear", "unless_l1",
-          random=True),
+          random=True, signed_weights=True),
     _spec("dare_ties", "random drop and rescale, then TIES's election and disjoint mean",
           "Yu et al. 2024", "required", (DENSITY, LAMBDA, RESCALE, *CONSENSUS_PARAMS),
           "methods:dare_ties", "unless_l1", random=True),
     _spec("breadcrumbs", "drop the largest gamma and the smallest entries, then task arithmetic",
           "Davari & Belilovsky 2024", "required",
           (replace(DENSITY, default=0.9), GAMMA, LAMBDA, NORMALIZE, ROUNDING),
-          "sparse:breadcrumbs", "outlier_thresholds"),
+          "sparse:breadcrumbs", "outlier_thresholds", signed_weights=True),
     _spec("breadcrumbs_ties", "breadcrumbs' drop, then TIES's election and disjoint mean",
           "Davari & Belilovsky 2024", "required",
           (replace(DENSITY, default=0.9), GAMMA, LAMBDA, ROUNDING, *CONSENSUS_PARAMS),
@@ -191,7 +210,8 @@ METHOD_SPECS = (
           "sparse:della", "unless_l1", random=True, constraint=_della_fits),
     _spec("della_linear", "magnitude-ranked random drop (MagPrune), then task arithmetic",
           "Deep et al. 2024", "required", (DENSITY, EPSILON, LAMBDA, NORMALIZE, RESCALE),
-          "sparse:della_linear", "unless_l1", random=True, constraint=_della_fits),
+          "sparse:della_linear", "unless_l1", random=True, constraint=_della_fits,
+          signed_weights=True),
     _spec("sce", "select by variance, weight by mean square, erase minority signs",
           "Wan et al. 2024, FuseChat", "required", (TOPK, LAMBDA, ZERO_VOTE), "sparse:sce",
           weights=False),
@@ -205,7 +225,8 @@ METHOD_SPECS = (
           "Jang et al. 2024", "required", (FILTER_WISE,), "sphere:model_stock", min_models=2,
           weights=False),
     _spec("passthrough", "one model's tensor as it is (layer stacking with `slices`)",
-          "Goddard et al. 2024, mergekit", "ignored", (), "sphere:passthrough", "elementwise",
+          "Goddard et al. 2024, mergekit", "ignored", (SCALE,), "sphere:passthrough",
+          "elementwise",
           max_models=1, weights=False, moe="passthrough copies one model's tensors; in an MoE "
           "use method: base (the base's) or average"),
 )
@@ -217,6 +238,11 @@ def get(name: str) -> MethodSpec:
     if name not in REGISTRY:
         raise ValueError(f"unknown merge method {name!r}; choose from {', '.join(METHOD_NAMES)}")
     return REGISTRY[name]
+
+
+def per_model_params() -> dict[str, Param]:
+    """Every parameter some method lets a model set for itself."""
+    return {name: p for name, p in all_params().items() if p.per_model}
 
 
 def all_params() -> dict[str, Param]:

@@ -15,34 +15,47 @@ from torch import Tensor
 
 from moemerge.merge.methods import Weights, combine, consensus_merge, weights_of
 from moemerge.merge.primitives import (
+    PerModel,
     check_density,
     disjoint_mean,
     elect_sign,
     keep_count,
+    per_model,
     rescale_kept,
     task_vectors,
 )
 
 
-def trim_outliers(taus: Tensor, density: float, gamma: float, rounding: str = "ceil",
+def trim_outliers(taus: Tensor, density: PerModel, gamma: PerModel, rounding: str = "ceil",
                   bands: Tensor | None = None) -> Tensor:
     """Breadcrumbs' mask, per task vector: drop the `gamma` fraction of largest magnitudes, then
     the smallest, keeping k = keep_count(n, density) entries (fewer outliers are dropped when
-    k + int(γ·n) > n). Two `kthvalue` cut-offs, no sort; entries tied at a cut-off are kept.
+    k + int(γ·n) > n); density and gamma: one for all, or one per model. Two `kthvalue`
+    cut-offs, no sort; entries tied at a cut-off are kept; density 1 keeps everything.
     `bands` [N, 2] (low, high): the cut-offs found over the whole tensor, for a row block."""
-    check_density(density)
+    densities, gammas = per_model(density, taus.shape[0]), per_model(gamma, taus.shape[0])
+    for d in densities:
+        check_density(d)
     taus = taus.float()
     flat = taus.reshape(taus.shape[0], -1).abs()  # [N, n]
-    n = flat.shape[1]
-    if density == 1.0 or n == 0:
+    if all(d == 1.0 for d in densities) or flat.shape[1] == 0:
         return taus
     if bands is None:
-        keep = keep_count(n, density, rounding)
-        bottom = max(0, n - keep - int(gamma * n))  # entries dropped from below
-        bands = torch.stack([flat.kthvalue(bottom + 1, dim=1).values,
-                             flat.kthvalue(bottom + keep, dim=1).values], dim=1)  # [N, 2]
+        bands = torch.stack([_band(row, d, g, rounding)
+                             for row, d, g in zip(flat, densities, gammas, strict=True)])
     low, high = bands[:, :1], bands[:, 1:]
     return (taus.reshape(flat.shape) * ((flat >= low) & (flat <= high))).reshape(taus.shape)
+
+
+def _band(magnitudes: Tensor, density: float, gamma: float, rounding: str) -> Tensor:
+    """[low, high]: the magnitudes breadcrumbs keeps in one flat task vector."""
+    if density == 1.0:
+        return torch.tensor([0.0, float("inf")])
+    n = magnitudes.numel()
+    keep = keep_count(n, density, rounding)
+    bottom = max(0, n - keep - int(gamma * n))  # entries dropped from below
+    return torch.stack([magnitudes.kthvalue(bottom + 1).values,
+                        magnitudes.kthvalue(bottom + keep).values])
 
 
 def _linear(base: Tensor, taus: Tensor, w: Tensor, lam: float) -> Tensor:
@@ -50,7 +63,7 @@ def _linear(base: Tensor, taus: Tensor, w: Tensor, lam: float) -> Tensor:
 
 
 def breadcrumbs(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
-                density: float = 0.9, gamma: float = 0.01, lam: float = 1.0,
+                density: PerModel = 0.9, gamma: PerModel = 0.01, lam: float = 1.0,
                 normalize: bool = True, trim_rounding: str = "ceil",
                 bands: Tensor | None = None) -> Tensor:
     """θ_base + λ Σ w̃_i Breadcrumbs_{d,γ}(τ_i)."""
@@ -59,7 +72,7 @@ def breadcrumbs(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None
 
 
 def breadcrumbs_ties(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
-                     density: float = 0.9, gamma: float = 0.01, lam: float = 1.0,
+                     density: PerModel = 0.9, gamma: PerModel = 0.01, lam: float = 1.0,
                      trim_rounding: str = "ceil", normalize: bool = True,
                      consensus: str = "sum", zero_vote: str = "none",
                      bands: Tensor | None = None) -> Tensor:
@@ -96,14 +109,17 @@ def magprune(tau: Tensor, density: float, epsilon: float, generator: torch.Gener
     return rescale_kept(tau, tau * keep.to(tau.device), probs.to(tau.device), rescale)
 
 
-def _magprune_all(base, tensors, density, epsilon, generator, rescale) -> Tensor:
+def _magprune_all(base, tensors, density: PerModel, epsilon: PerModel, generator,
+                  rescale) -> Tensor:
+    """[N, *shape] MagPruned task vectors, each at its model's density and epsilon."""
     generator = generator if generator is not None else torch.Generator().manual_seed(0)
-    return torch.stack([magprune(t, density, epsilon, generator, rescale)
-                        for t in task_vectors(base, tensors)])
+    n = len(tensors)
+    return torch.stack([magprune(t, d, e, generator, rescale) for t, d, e in zip(
+        task_vectors(base, tensors), per_model(density, n), per_model(epsilon, n), strict=True)])
 
 
 def della(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
-          density: float = 0.7, epsilon: float = 0.15, lam: float = 1.0,
+          density: PerModel = 0.7, epsilon: PerModel = 0.15, lam: float = 1.0,
           generator: torch.Generator | None = None, rescale: str = "expectation",
           normalize: bool = True, consensus: str = "sum", zero_vote: str = "none") -> Tensor:
     """θ_base + λ · DisjointMean(MagPrune(τ), Elect(w · MagPrune(τ)), w)."""
@@ -113,7 +129,7 @@ def della(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
 
 
 def della_linear(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
-                 density: float = 0.7, epsilon: float = 0.15, lam: float = 1.0,
+                 density: PerModel = 0.7, epsilon: PerModel = 0.15, lam: float = 1.0,
                  normalize: bool = True, generator: torch.Generator | None = None,
                  rescale: str = "expectation") -> Tensor:
     """θ_base + λ Σ w̃_i MagPrune(τ_i)."""

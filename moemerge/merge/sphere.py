@@ -116,6 +116,8 @@ def model_stock(base: Tensor, tensors: Sequence[Tensor], filter_wise: bool = Fal
     return (t * average + (1 - t) * rows(base.float())).reshape(shape)
 
 
-def passthrough(tensors: Sequence[Tensor]) -> Tensor:
-    """The one model's tensor, unchanged (with `slices`, from the layer it is taken from)."""
-    return tensors[0].float()
+def passthrough(tensors: Sequence[Tensor], scale: float | Sequence[float] = 1.0) -> Tensor:
+    """The one model's tensor times `scale` (mergekit's per-source scale; 1: unchanged), with
+    `slices` from the layer it is taken from."""
+    factor = scale if isinstance(scale, int | float) else scale[0]
+    return tensors[0].float() if factor == 1.0 else tensors[0].float() * factor

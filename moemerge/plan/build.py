@@ -28,10 +28,10 @@ def plan_merge(recipe: MergeRecipe, models: list[SourceModel]) -> Plan:
     merged = list(range(int(has_base), len(models)))
     ref = models[0]
     dtype = output_dtype(recipe.output.dtype, ref)
-    weights = [m.weight for m in recipe.models]
     jobs = [
         split_fused(merge_job(name, ref.roles[name].role, ref.roles[name].layer,
-                              ref.reader.meta(name).shape, dtype, recipe.merge, merged, weights,
+                              ref.reader.meta(name).shape, dtype, recipe.merge, merged,
+                              recipe.models,
                               base, num_layers=ref.config.get("num_hidden_layers")),
                     ref.roles[name], ref.config)  # Phi-3: q, k, v (gate, up) merged apart
         for name in write_order(ref.roles)
@@ -48,7 +48,6 @@ def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:
     dtype = output_dtype(recipe.output.dtype, base)
     experts = list(range(1, len(models)))
     ffn_owners = experts + ([0] if recipe.include_base_expert else [])
-    weights = [e.weight for e in recipe.experts]
     hidden = base.config["hidden_size"]
     refuse_unsupported_tensors(base, layout)
     check_shared_expert(recipe, layout)
@@ -60,7 +59,8 @@ def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:
         shape = base.reader.meta(name).shape
         if role.role != "ffn":
             jobs.append(merge_job(name, role.role, role.layer, shape, dtype, recipe.merge, experts,
-                                  weights, 0, num_layers=base.config.get("num_hidden_layers")))
+                                  recipe.experts, 0,
+                                  num_layers=base.config.get("num_hidden_layers")))
             continue
         layer = role.layer
         if layer not in layers_done:  # the router and the shared expert, once per layer

@@ -4,13 +4,16 @@ upcycle.py, shared.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from moemerge.architectures import TensorRole
 from moemerge.merge.registry import get
 from moemerge.plan.jobs import Job, Source
-from moemerge.plan.params import resolve_merge
+from moemerge.plan.params import resolve_merge, resolve_weights
 from moemerge.plan.sources import SourceModel
+from moemerge.recipe.models import ModelRef
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -39,16 +42,19 @@ def write_order(roles: dict[str, TensorRole]) -> list[str]:
 
 
 def merge_job(
-    name: str, role: str, layer: int | None, shape, dtype, spec, merged: list[int], weights,
-    base: int | None, *, output: str | None = None, num_layers: int | None = None,
+    name: str, role: str, layer: int | None, shape, dtype, spec, merged: list[int],
+    refs: Sequence[ModelRef], base: int | None, *, output: str | None = None,
+    num_layers: int | None = None,
 ) -> Job:
-    """Output tensor `output` (default `name`) from the tensors `name` of the models `merged`;
-    `num_layers` places `layer` on per-layer gradients."""
+    """Output tensor `output` (default `name`) from the tensors `name` of the models `merged`,
+    whose recipe entries (weights, own parameters) are `refs`; `num_layers` places `layer` on
+    per-layer gradients."""
     output = output or name
-    params = resolve_merge(spec, role, layer, num_layers, tensor=output)
+    params = resolve_merge(spec, role, layer, num_layers, tensor=output, models=refs)
+    weights = resolve_weights(refs, role, layer, num_layers, tensor=output)
     if params.method == "base":
         return Job(output, shape, dtype, "copy", role, layer, (Source(base, name),))
-    if len(merged) == 1 and params.method in ("average", "passthrough"):
+    if len(merged) == 1 and params.copies_its_one_model:
         return Job(output, shape, dtype, "copy", role, layer, (Source(merged[0], name),))
     reads_base = base is not None and get(params.method).base != "ignored"
     return Job(

@@ -24,7 +24,6 @@ def plan_merged_experts(recipe: MergedExpertsRecipe, models: list[SourceModel]) 
     reference = 1 if recipe.reference is not None else 0
     experts = list(range(1 + int(recipe.reference is not None), len(models)))
     dtype = output_dtype(recipe.output.dtype, base)
-    weights = [e.weight for e in recipe.experts]
     hidden = base.config["hidden_size"]
     std = recipe.router.std or base.config.get("initializer_range", 0.02)
     jobs: list[Job] = []
@@ -33,7 +32,7 @@ def plan_merged_experts(recipe: MergedExpertsRecipe, models: list[SourceModel]) 
         shape = base.reader.meta(name).shape
         if role.role != "ffn":
             jobs.append(split_fused(merge_job(name, role.role, role.layer, shape, dtype,
-                                              recipe.merge, experts, weights, 0,
+                                              recipe.merge, experts, recipe.experts, 0,
                                               num_layers=base.config.get("num_hidden_layers")),
                                     role, base.config))
             continue
@@ -47,7 +46,8 @@ def plan_merged_experts(recipe: MergedExpertsRecipe, models: list[SourceModel]) 
         # a tied source stores no head; this model's head is its own tensor (untied)
         embed = next(n for n, r in base.roles.items() if r.role == "embed")
         jobs.append(merge_job(embed, "lm_head", None, base.reader.meta(embed).shape, dtype,
-                              recipe.merge, experts, weights, 0, output="lm_head.weight"))
+                              recipe.merge, experts, recipe.experts, 0,
+                              output="lm_head.weight"))
     config = merged_config(
         base.config, [models[m].label for m in experts], dtype=dtype,
         segment_length=recipe.segment_length, alpha=recipe.alpha,

@@ -1,11 +1,18 @@
-"""Resolve the merge parameters of one tensor from the recipe's spec, its role and its layer."""
+"""Resolve the merge parameters of one tensor from the recipe's spec, its role and its layer,
+and the models' own settings: the one place where a parameter's value is decided.
+
+Order, as mergekit resolves its tensor parameters: a model's own setting (its first condition
+that selects the tensor, a gradient evaluated at the layer), else the merge block's (its last
+override that selects the tensor and sets it, else its top-level value), else the registry's
+default."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from moemerge.merge.registry import get
-from moemerge.recipe.merge import MergeSpec, param_fields
+from moemerge.recipe.merge import Condition, MergeSpec, param_fields
 
 FIRST = ("lambda", "density", "t")  # shown by describe() even at their defaults
 
@@ -17,19 +24,36 @@ class ResolvedMerge:
 
     method: str
     values: tuple[tuple[str, object], ...] = ()
+    # per-model parameters some model sets itself here: (name, (its value or None, per model))
+    own: tuple[tuple[str, tuple[float | None, ...]], ...] = ()
 
     @property
     def params(self) -> dict[str, object]:
-        return dict(self.values)
+        """The arguments of the merge: a per-model parameter that some model sets is a tuple,
+        each model's own value, else the merge block's."""
+        out = dict(self.values)
+        for name, values in self.own:
+            out[name] = tuple(out[name] if v is None else v for v in values)
+        return out
 
     def get(self, name: str) -> object:
         return self.params.get(name)
 
     def with_values(self, **values) -> ResolvedMerge:
-        """These parameters changed, where the method has them (others are ignored)."""
+        """The merge block's values of these parameters changed, where the method has them
+        (others are ignored); a model's own value still wins over them."""
+        shared = dict(self.values)
+        shared.update({k: v for k, v in values.items() if k in shared and v is not None})
+        return replace(self, values=tuple(shared.items()))
+
+    @property
+    def copies_its_one_model(self) -> bool:
+        """Merging one model returns its tensor as it is: a normalised average, or passthrough
+        at scale 1."""
         params = self.params
-        params.update({k: v for k, v in values.items() if k in params and v is not None})
-        return ResolvedMerge(self.method, tuple(params.items()))
+        if self.method == "passthrough":
+            return params["scale"] in (1.0, (1.0,))
+        return self.method == "average" and bool(params["normalize"])
 
     def describe(self) -> str:
         if not self.values:
@@ -41,6 +65,8 @@ class ResolvedMerge:
 
 
 def _text(value: object) -> str:
+    if isinstance(value, tuple):  # one value per model
+        return "[" + ", ".join(map(_text, value)) + "]"
     return f"{value:g}" if isinstance(value, float) else str(value).lower()
 
 
@@ -67,11 +93,12 @@ def at_layer(value: object, index: int | None, count: int | None) -> object:
 def resolve_merge(spec: MergeSpec, role: str, layer: int | None,
                   num_layers: int | None = None, *,
                   at: tuple[int | None, int | None] | None = None,
-                  tensor: str | None = None) -> ResolvedMerge:
+                  tensor: str | None = None, models: Sequence = ()) -> ResolvedMerge:
     """Start from the spec's top-level fields, then apply the overrides that select this
     tensor (`tensor`: the output tensor's name) in order; then the method's defaults for what is
-    still unset. Gradients are evaluated at `at` = (index, count) when given (a layer of a
-    slice), else at (layer, num_layers)."""
+    still unset; then the merged `models`' own settings of the method's per-model parameters.
+    Gradients are evaluated at `at` = (index, count) when given (a layer of a slice), else at
+    (layer, num_layers)."""
     index, count = at if at is not None else (layer, num_layers)
     method = spec.method
     given = {name: getattr(spec, field) for name, field in param_fields().items()}
@@ -84,10 +111,35 @@ def resolve_merge(spec: MergeSpec, role: str, layer: int | None,
             if value is not None:
                 given[name] = value
     method_spec = get(method)
-    return ResolvedMerge(method, tuple(
-        (p.name, p.default if given.get(p.name) is None else at_layer(given[p.name], index,
-                                                                      count))
-        for p in method_spec.params))
+    values = tuple((p.name, p.default if given.get(p.name) is None else at_layer(
+        given[p.name], index, count)) for p in method_spec.params)
+    own = {name: tuple(setting_at(getattr(m, name, None), role, layer, tensor, index, count)
+                       for m in models) for name in method_spec.per_model}
+    return ResolvedMerge(method, values, tuple(
+        (name, per_model) for name, per_model in own.items()
+        if any(v is not None for v in per_model)))
+
+
+def resolve_weights(models: Sequence, role: str, layer: int | None,
+                    num_layers: int | None = None, *,
+                    at: tuple[int | None, int | None] | None = None,
+                    tensor: str | None = None) -> tuple[float, ...]:
+    """Each model's weight for this tensor: its own setting, else 1."""
+    index, count = at if at is not None else (layer, num_layers)
+    weights = (setting_at(m.weight, role, layer, tensor, index, count) for m in models)
+    return tuple(1.0 if w is None else float(w) for w in weights)
+
+
+def setting_at(setting: object, role: str, layer: int | None, tensor: str | None,
+               index: int | None, count: int | None) -> float | None:
+    """A model's own setting at one tensor: a number as it is, a gradient at the layer, or the
+    value of the first condition that selects the tensor; None where it has none (no setting,
+    or no condition selects the tensor): the merge block's value applies (mergekit's
+    fall-through)."""
+    if isinstance(setting, list) and setting and isinstance(setting[0], Condition):
+        chosen = next((c for c in setting if c.selects(role, layer, tensor)), None)
+        return None if chosen is None else at_layer(chosen.value, index, count)
+    return at_layer(setting, index, count)
 
 
 def override_layer_warnings(spec: MergeSpec, num_layers: int) -> list[str]:

@@ -64,7 +64,6 @@ def plan_seq_routed(recipe: SeqRoutedRecipe, models: list[SourceModel]) -> Plan:
     experts = list(range(int(base is not None), len(models)))
     ref = models[experts[0]]
     dtype = output_dtype(recipe.output.dtype, models[0])
-    weights = [e.weight for e in recipe.experts]
     width = ref.config["hidden_size"]
     jobs = []
     for role in ("embed", "lm_head"):
@@ -75,8 +74,8 @@ def plan_seq_routed(recipe: SeqRoutedRecipe, models: list[SourceModel]) -> Plan:
                          (Source(m, role_tensor(models[m], role)),))
                      for i, m in enumerate(experts)]
         else:
-            jobs.append(merge_job(name, role, None, shape, dtype, recipe.merge, experts, weights,
-                                  base, output=SHARED[role]))
+            jobs.append(merge_job(name, role, None, shape, dtype, recipe.merge, experts,
+                                  recipe.experts, base, output=SHARED[role]))
     jobs.append(_router_job(recipe, experts, models, width, dtype))
     for i, m in enumerate(experts):
         jobs += _body_jobs(m, models[m], f"experts.{i}.", dtype)

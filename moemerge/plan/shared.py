@@ -57,7 +57,7 @@ def shared_expert_jobs(recipe: MoERecipe, layout: MoELayout, base: SourceModel, 
             jobs.append(Job(output, shape, dtype, "copy", "ffn", layer, (Source(0, name),)))
         else:  # the experts' FFN average, with the recipe's expert weights
             jobs.append(merge_job(name, "ffn", layer, shape, dtype, MergeSpec(), experts,
-                                  [e.weight for e in recipe.experts], None, output=output))
+                                  recipe.experts, None, output=output))
     return [*jobs, *_gate(layout, base, layer, dtype)]
 
 

@@ -9,7 +9,7 @@ from moemerge.errors import MismatchError
 from moemerge.merge.registry import get
 from moemerge.plan.common import output_dtype, write_order
 from moemerge.plan.jobs import Job, Plan, Source
-from moemerge.plan.params import resolve_merge
+from moemerge.plan.params import resolve_merge, resolve_weights
 from moemerge.plan.sources import SourceModel
 from moemerge.recipe.models import MergeRecipe
 from moemerge.recipe.slices import Slice, SliceSource
@@ -25,21 +25,23 @@ def renamed(name: str, layer: int, to: int) -> str:
 
 
 def _job(output: str, role: str, layer: int | None, shape, dtype, recipe: MergeRecipe,
-         sources: list[tuple[int, str, float]], base: int | None, at: tuple[int, int]) -> Job:
-    """One output tensor from (model index, tensor name, weight) sources; `at` = (index,
+         sources: list[tuple[int, str, SliceSource]], base: int | None,
+         at: tuple[int, int]) -> Job:
+    """One output tensor from (model index, tensor name, recipe entry) sources; `at` = (index,
     count) of the layer in its slice, for per-layer gradients."""
-    params = resolve_merge(recipe.merge, role, layer, at=at, tensor=output)
+    refs = [src for _, _, src in sources]
+    params = resolve_merge(recipe.merge, role, layer, at=at, tensor=output, models=refs)
     # the base's tensor is read at the first source's layer
     base_source = Source(base, sources[0][1]) if base is not None else None
     if params.method == "base":
         return Job(output, shape, dtype, "copy", role, layer, (base_source,))
-    if len(sources) == 1 and params.method in ("average", "passthrough"):
+    if len(sources) == 1 and params.copies_its_one_model:
         return Job(output, shape, dtype, "copy", role, layer, (Source(*sources[0][:2]),))
     reads_base = get(params.method).base != "ignored"
     return Job(output, shape, dtype, "merge", role, layer,
                sources=tuple(Source(m, n) for m, n, _ in sources),
                base=base_source if reads_base else None,
-               weights=tuple(w for _, _, w in sources), merge=params)
+               weights=resolve_weights(refs, role, layer, at=at, tensor=output), merge=params)
 
 
 def plan_slices(recipe: MergeRecipe, models: list[SourceModel]) -> Plan:
@@ -53,12 +55,12 @@ def plan_slices(recipe: MergeRecipe, models: list[SourceModel]) -> Plan:
     ref = models[int(has_base)]
     dtype = output_dtype(recipe.output.dtype, ref)
 
-    def sources(s: Slice, name: str, offset: int | None) -> list[tuple[int, str, float]]:
+    def sources(s: Slice, name: str, offset: int | None) -> list[tuple[int, str, SliceSource]]:
         """The slice's sources of tensor `name` (a layer-0 name moved to each source's layer
         start + offset, or a global tensor's name as it is)."""
         return [(index[src.model, src.revision],
                  name if offset is None else renamed(name, 0, src.layers[0] + offset),
-                 src.weight) for src in s.sources]
+                 src) for src in s.sources]
 
     def global_jobs(embed: bool, s: Slice) -> list[Job]:
         names = [n for n in write_order(ref.roles)

@@ -3,7 +3,10 @@
 against its range, and each checked against the method it is given for.
 
 A float parameter may be a list, a per-layer gradient (mergekit's convention: values spread
-evenly from the first layer to the last, interpolated linearly).
+evenly from the first layer to the last, interpolated linearly). A model's own setting of a
+per-model parameter (`Setting`: a number, a gradient, or conditions each selecting tensors like
+an override) is checked here too (`setting_problems`); the planner resolves all of them in one
+place, moemerge/plan/params.py.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from moemerge.merge.registry import METHOD_NAMES, REGISTRY, Param, all_params
+from moemerge.merge.registry import METHOD_NAMES, REGISTRY, Param, all_params, per_model_params
 
 Role = Literal["embed", "attn", "norm", "ffn", "lm_head"]
 MethodName = Literal[METHOD_NAMES]  # type: ignore[valid-type]
@@ -95,14 +98,27 @@ def _unused(method: str, given: set[str]) -> str | None:
     return f"{', '.join(extra)}: not a parameter of {method} (it takes {takes})"
 
 
-class Override(MergeParams):
-    """Parameters for the tensors of some roles, layers and/or names (later overrides win)."""
+class Selector(BaseModel):
+    """Which tensors something applies to: roles, layers and/or name substrings, all that are
+    given must match (none given: every tensor)."""
 
     roles: list[Role] | None = None
     layers: list[int] | None = Field(default=None, description="Layer indices; None = all.")
     tensors: list[Annotated[str, Field(min_length=1)]] | None = Field(
         default=None, min_length=1, description="Substrings of the output tensor's name "
-        "(mergekit's `filter`): the override applies to a tensor whose name contains one.")
+        "(mergekit's `filter`): it applies to a tensor whose name contains one.")
+
+    def selects(self, role: str, layer: int | None, name: str | None) -> bool:
+        """Whether this applies to tensor `name` of `role` in `layer` (every selector given
+        must match)."""
+        return ((self.roles is None or role in self.roles)
+                and (self.layers is None or layer in self.layers)
+                and (self.tensors is None or (name is not None
+                                              and any(t in name for t in self.tensors))))
+
+
+class Override(MergeParams, Selector):
+    """Parameters for the tensors of some roles, layers and/or names (later overrides win)."""
 
     @model_validator(mode="after")
     def _selects_something(self) -> Override:
@@ -111,13 +127,64 @@ class Override(MergeParams):
                              "it applies to")
         return self
 
-    def selects(self, role: str, layer: int | None, name: str | None) -> bool:
-        """Whether this override applies to tensor `name` of `role` in `layer` (every selector
-        given must match)."""
-        return ((self.roles is None or role in self.roles)
-                and (self.layers is None or layer in self.layers)
-                and (self.tensors is None or (name is not None
-                                              and any(t in name for t in self.tensors))))
+
+Value = float | list[float]  # a number, or a per-layer gradient
+
+
+class Condition(Selector):
+    """One value of a model's own setting, for the tensors it selects (mergekit's
+    `{filter, value}`); without selectors it applies to every tensor."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    value: Value
+
+
+# A model's own setting: a number, a gradient, or conditions (the first that selects a tensor
+# gives its value; where none does, the merge block's value applies)
+Setting = float | list[float] | list[Condition]
+
+
+def as_conditions(value: object) -> object:
+    """Before pydantic reads a setting: one condition alone is a list of one; true/false where
+    a number is expected is an error, not 1.0."""
+    if any(isinstance(v, bool) for v in _raw_numbers(value)):
+        raise ValueError(f"must be a number, a list of numbers or of conditions, got {value!r}")
+    return [value] if isinstance(value, dict) else value
+
+
+def _raw_numbers(value: object) -> list[object]:
+    """The values of a setting as YAML gave them (conditions' and gradients' unpacked)."""
+    if isinstance(value, dict):
+        return _raw_numbers(value.get("value"))
+    if isinstance(value, list):
+        return [v for item in value for v in _raw_numbers(item)]
+    return [value]
+
+
+def setting_values(setting: object) -> list[float]:
+    """Every number a setting holds (its gradients' and conditions' values)."""
+    if isinstance(setting, list):
+        return [v for item in setting for v in setting_values(
+            item.value if isinstance(item, Condition) else item)]
+    return [] if setting is None else [setting]
+
+
+def _gradients(setting: object) -> list[object]:
+    """The lists of numbers in a setting: itself, or its conditions' values."""
+    if not isinstance(setting, list):
+        return []
+    values = [c.value for c in setting if isinstance(c, Condition)]
+    return values if values else [setting]
+
+
+def setting_problem(name: str, setting: object) -> str | None:
+    """Why a model's own setting of `name` (`weight` or a per-model parameter) is invalid."""
+    if any(isinstance(g, list) and not g for g in _gradients(setting)):
+        return "a per-layer gradient needs at least one value"
+    param = per_model_params().get(name)
+    if param is None:
+        return None
+    return next((p for p in map(param.check, setting_values(setting)) if p), None)
 
 
 class MergeSpec(MergeParams):

@@ -7,14 +7,19 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from moemerge.merge.registry import REGISTRY, all_params, per_model_params
 from moemerge.recipe.merge import (  # noqa: F401  (re-exported: the recipe kinds' shared names)
     METHODS_NEEDING_BASE,
     MergeSpec,
     Override,
     Role,
+    Setting,
+    as_conditions,
     method_problems,
+    setting_problem,
+    setting_values,
 )
 
 OutputDType = Literal["auto", "float32", "float16", "bfloat16"]
@@ -40,6 +45,47 @@ class ModelRef(Strict):
     model: str = Field(min_length=1)
     revision: str | None = None
     weight: float = Field(default=1.0, ge=0.0, description="Weight in non-FFN merges.")
+
+
+class _MergeInput(ModelRef):
+    @model_validator(mode="before")
+    @classmethod
+    def _global_only(cls, data: object) -> object:
+        """A merge parameter that no method reads per model (lambda, t, ...) is refused with
+        where it goes instead, not as an unknown field."""
+        if isinstance(data, dict):
+            misplaced = sorted(set(data) & set(all_params()) - set(per_model_params()))
+            if misplaced:
+                raise ValueError(f"{', '.join(misplaced)}: not a per-model parameter (one value "
+                                 "for all models): set it in the `merge` block, or per tensor in "
+                                 "`merge.overrides`")
+        return data
+
+    def own(self) -> dict[str, object]:
+        """The settings this model gives itself: {parameter: setting}, weight excluded."""
+        return {n: getattr(self, n) for n in per_model_params() if getattr(self, n) is not None}
+
+
+def _check_setting(cls, value, info):
+    problem = setting_problem(info.field_name, value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+_SETTINGS = ("weight", *per_model_params())
+MergeInput = create_model(
+    "MergeInput", __base__=_MergeInput, __doc__="A model merged by `kind: merge` (an entry of "
+    "`models`, or a slice source) and its own parameters: a number, a per-layer gradient or "
+    "conditions selecting tensors; the model's own value wins over the merge block's "
+    "(docs/recipes.md#per-model-parameters).",
+    __validators__={"_conditions": field_validator(*_SETTINGS, mode="before")(as_conditions),
+                    "_ranges": field_validator(*_SETTINGS)(_check_setting)},
+    weight=(Setting, Field(default=1.0, description="Weight in the merge (signed where the "
+                                                    "method allows it).")),
+    **{name: (Setting | None, Field(default=None, description=f"This model's own {p.doc}."))
+       for name, p in per_model_params().items()},
+)
 
 
 class ExpertRef(ModelRef):
@@ -125,7 +171,8 @@ class _RecipeBase(Strict):
         """Weights that can be normalised, and expert names that tell experts apart."""
         field = "models" if hasattr(self, "models") else "experts"
         refs = getattr(self, field, None) or []
-        if refs and sum(r.weight for r in refs) <= 0:
+        plain = all(isinstance(r.weight, float | int) and r.weight >= 0 for r in refs)
+        if refs and plain and sum(r.weight for r in refs) <= 0:
             raise ValueError(f"{field}: the weights sum to 0; give at least one model a weight "
                              "above 0")
         names = [r.name for r in refs if getattr(r, "name", None) is not None]
@@ -141,8 +188,8 @@ class MergeRecipe(_RecipeBase):
 
     kind: Literal["merge"]
     base_model: ModelRef | None = None
-    models: list[ModelRef] = Field(default_factory=list, description="The models to merge "
-                                   "(or `slices`).")
+    models: list[MergeInput] = Field(  # type: ignore[valid-type]
+        default_factory=list, description="The models to merge (or `slices`).")
     slices: list[Slice] | None = Field(default=None, description="The output's layers as "
                                        "slices of the inputs' (moemerge/recipe/slices.py).")
     merge: MergeSpec = MergeSpec()
@@ -161,6 +208,7 @@ class MergeRecipe(_RecipeBase):
             len(self.models)]
         problems = [p for n in counts for p in method_problems(
             self.merge, n, has_base=self.base_model is not None, moe=False)]
+        problems += own_setting_problems(self)
         if problems:
             raise ValueError("; ".join(dict.fromkeys(problems)))
         return self
@@ -216,6 +264,36 @@ class MoERecipe(_RecipeBase):
                                           self.num_experts):
             raise ValueError(problem)
         return self
+
+
+def merge_inputs(recipe: MergeRecipe) -> list[tuple[str, MergeInput]]:  # type: ignore[valid-type]
+    """Every model entry of a dense merge with its field path: `models.1`, or
+    `slices.0.sources.1`."""
+    if recipe.slices:
+        return [(f"slices.{i}.sources.{j}", src) for i, s in enumerate(recipe.slices)
+                for j, src in enumerate(s.sources)]
+    return [(f"models.{i}", m) for i, m in enumerate(recipe.models)]
+
+
+def own_setting_problems(recipe: MergeRecipe) -> list[str]:
+    """A model's own parameter that no method of the merge block reads per model, and a
+    negative weight where a method's maths takes none."""
+    methods = [REGISTRY[m] for m in sorted(recipe.merge.methods)]
+    per_model = {n for m in methods for n in m.per_model}
+    unsigned = [m.name for m in methods if m.weights and m.target and not m.signed_weights]
+    problems = []
+    for where, model in merge_inputs(recipe):
+        for name in sorted(set(model.own()) - per_model):
+            readers = [m.name for m in REGISTRY.values() if name in m.per_model]
+            problems.append(f"{where}.{name}: not read per model by "
+                            f"{', '.join(m.name for m in methods)} (a per-model {name} is "
+                            f"read by {', '.join(readers)})")
+        negative = [v for v in setting_values(model.weight) if v < 0]
+        if negative and unsigned:
+            problems.append(f"{where}.weight: {negative[0]:g} is negative; {', '.join(unsigned)} "
+                            "cannot take a negative weight (signed weights: " + ", ".join(
+                                m.name for m in REGISTRY.values() if m.signed_weights) + ")")
+    return problems
 
 
 from moemerge.recipe.slices import Slice, slice_models  # noqa: E402  (slices.py uses ModelRef)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator, model_validator
 
-from moemerge.recipe.models import ModelRef, Strict
+from moemerge.recipe.models import MergeInput, ModelRef, Strict
 
 
-class SliceSource(ModelRef):
+class SliceSource(MergeInput):  # type: ignore[valid-type, misc]
     layers: tuple[int, int] = Field(description="[start, end): the layers taken, end excluded "
                                     "(mergekit's layer_range).")
 

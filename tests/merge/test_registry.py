@@ -35,7 +35,7 @@ def test_a_parameter_name_means_one_thing_everywhere():
 
 # every method's parameters, written out by hand, each with a valid value other than its default
 PARAMETERS = {
-    "base": {}, "average": {},
+    "base": {}, "average": {"normalize": False},
     "task_arithmetic": {"lambda": 0.5, "normalize": False},
     "ties": {"density": 0.5, "lambda": 0.5, "trim_rounding": "floor", "normalize": False,
              "zero_vote": "positive", "consensus": "count"},
@@ -55,7 +55,7 @@ PARAMETERS = {
     "multislerp": {"normalize": False},
     "karcher": {"max_iter": 3, "tol": 1e-3},
     "model_stock": {"filter_wise": True},
-    "passthrough": {},
+    "passthrough": {"scale": 0.5},
 }
 
 

@@ -1,6 +1,8 @@
 """`import-mergekit` on the config shapes of mergekit's documentation: each converts to a valid
 recipe with mergekit's conventions; what cannot be carried is a clear error."""
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -225,13 +227,14 @@ def test_mergekits_per_model_defaults_are_written():
 
 
 def test_per_model_parameters_resolve_as_in_mergekit():
-    # a model's own value, else the global one, else the default: carried when all agree
+    # a model's own value, else the global one, else the default: one setting for all models
+    # goes into the merge block (tunable), else each model keeps its own
     one_own = TIES.replace("density: 0.5, weight: 0.5}\n  - model: b", "weight: 0.5}\n  - model: b")
     r = imported(one_own.replace("{normalize: true}", "{normalize: true, density: 0.5}")).recipe
-    assert r["merge"]["density"] == 0.5
-    with pytest.raises(RecipeError, match=r"models.2.parameters.density: 0.5 where models.1 has "
-                                          r"1.0; moemerge applies one density to every model"):
-        imported(one_own)
+    assert r["merge"]["density"] == 0.5 and "density" not in r["models"][0]
+    r = imported(one_own).recipe  # models.1 falls back to mergekit's default, 1
+    assert r["merge"]["density"] == 1.0
+    assert ["density" in m and m["density"] for m in r["models"]] == [False, 0.5]
     # the same gradient for every model is a moemerge gradient
     same = TIES.replace("density: 0.5", "density: [0.2, 0.8]")
     assert imported(same).recipe["merge"]["density"] == [0.2, 0.8]
@@ -249,6 +252,54 @@ def test_per_model_parameters_resolve_as_in_mergekit():
     crumbs = imported(TASK_ARITHMETIC.replace("lambda: 0.8", "lambda: 0.8, gamma: 0.8"))
     assert "gamma" not in crumbs.recipe["merge"]
     assert any("parameters.gamma: not carried" in n for n in crumbs.notes)
+    # mergekit reads lambda from the global parameters only: a per-model lambda is ignored
+    own_lambda = imported(TASK_ARITHMETIC.replace("{weight: 0.5}", "{weight: 0.5, lambda: 3}"))
+    assert "lambda" not in own_lambda.recipe["models"][0]
+    assert any("models.0.parameters.lambda: not carried: mergekit's task_arithmetic ignores a "
+               "per-model lambda" in n for n in own_lambda.notes)
+
+
+def test_mergekits_ties_example_imports_with_its_gradients_and_filters():
+    text = (Path(__file__).parent / "data" / "mergekit_ties.yml").read_text()
+    result = imported(text)
+    r = result.recipe
+    assert r["merge"] == {"method": "ties", "normalize": True, "density": 1.0,
+                          "trim_rounding": "floor", "zero_vote": "positive"}
+    assert r["models"] == [
+        {"model": "psmathur/orca_mini_v3_13b", "weight": 1.0, "density": [1.0, 0.7, 0.1]},
+        {"model": "garage-bAInd/Platypus2-13B", "weight": [0.0, 0.3, 0.7, 1.0],
+         "density": 0.5},
+        {"model": "WizardLM/WizardMath-13B-V1.0",
+         "weight": [{"tensors": ["mlp"], "value": 0.5}, {"value": 0}], "density": 0.33}]
+    assert r["base_model"] == {"model": "TheBloke/Llama-2-13B-fp16"}
+    parse_recipe(yaml.safe_load(render(result, "ties.yml")))
+
+
+def test_negative_weights_and_unnormalised_linear_import():
+    subtract = imported(TASK_ARITHMETIC.replace("{weight: 0.5}\n  - model: b/code",
+                                                "{weight: 1.0}\n  - model: b/code").replace(
+        "parameters: {weight: 0.5}\nmerge", "parameters: {weight: -1.0}\nmerge")).recipe
+    assert [m["weight"] for m in subtract["models"]] == [1.0, -1.0]
+    assert subtract["merge"]["normalize"] is False  # mergekit's task_arithmetic default
+    linear = imported(LINEAR + "parameters: {normalize: false}\n").recipe
+    assert linear["merge"] == {"method": "average", "normalize": False}
+    # TIES's sign election takes no negative weight: refused by the recipe's validation
+    with pytest.raises(RecipeError, match="models.0.weight: -0.5 is negative; ties cannot"):
+        imported(TIES.replace("density: 0.5, weight: 0.5}\n  - model: b",
+                              "density: 0.5, weight: -0.5}\n  - model: b"))
+
+
+def test_per_source_settings_in_slices_import_source_by_source():
+    r = imported(SLICED_TIES).recipe
+    assert r["merge"]["density"] == 1.0  # the sources disagree: each keeps its own
+    assert [[s["density"] for s in sl["sources"]] for sl in r["slices"]] == [[0.5, 0.5],
+                                                                           [0.3, 0.3]]
+    scaled = imported(PASSTHROUGH.replace(
+        "layer_range: [20, 40]", "layer_range: [20, 40]\n      parameters:\n        scale:\n"
+        "          - {filter: o_proj, value: 0.0}\n          - {value: 1.0}")).recipe
+    assert scaled["slices"][1]["sources"][0]["scale"] == [
+        {"tensors": ["o_proj"], "value": 0.0}, {"value": 1.0}]
+    assert "scale" not in scaled["merge"]
 
 
 SLICED_TIES = """
@@ -264,27 +315,9 @@ base_model: base/model
 """
 
 
-TIES_GRADIENTS = """
-models:
-  - model: psmathur/orca_mini_v3_13b
-    parameters: {density: [1, 0.7, 0.1], weight: 1.0}
-  - model: garage-bAInd/Platypus2-13B
-    parameters: {density: 0.5, weight: [0, 0.3, 0.7, 1]}
-merge_method: ties
-base_model: TheBloke/Llama-2-13B-fp16
-"""
-
-
 @pytest.mark.parametrize("text, message", [
-    (TIES_GRADIENTS, "models.1.parameters.weight: a filtered or per-layer weight cannot"),
-    (TIES_GRADIENTS.replace("weight: [0, 0.3, 0.7, 1]", "weight: 1"),
-     "models.1.parameters.density: 0.5 where models.0 has [1, 0.7, 0.1]"),
-    (TIES.replace("density: 0.5, weight: 0.5}\n  - model: b",
-                  "density: 0.4, weight: 0.5}\n  - model: b"),
-     "models.2.parameters.density: 0.5 where models.1 has 0.4"),
-    (SLICED_TIES, "slices.1.sources.0.parameters.density: 0.3 where slices.0.sources.0 has 0.5"),
-    (SLICED_TIES.replace("density: 0.3", "density: [{filter: mlp, value: 0.3}]"),
-     "a filtered per-source setting cannot be imported"),
+    (SLICED_TIES.replace("density: 0.3", "density: [{filter: layers.2., value: 0.3}]"),
+     "slices.1.sources.0.parameters.density: filter 'layers.2.' holds a digit"),
     (LINEAR.replace("merge_method: linear", "merge_method: nuslerp"), "'nuslerp' cannot be"),
     (LINEAR.replace("psmathur/orca_mini_v3_13b", "a/b+lora/x"), "LoRA"),
     (LINEAR + "tokenizer_source: union\n", "'union' builds a new vocabulary"),

@@ -8,16 +8,18 @@ from moemerge.errors import RecipeError
 from moemerge.merge.registry import REGISTRY
 from moemerge.recipe.mergekit.params import (
     DROPPED,
+    PER_MODEL,
     PER_MODEL_DEFAULTS,
     RENAMED,
     carry,
     chain,
+    check_source_filters,
     conditions,
     conventions,
-    is_filtered,
     model_ref,
     moemerge_method,
-    shown,
+    own_setting,
+    read_per_model,
 )
 
 KEYS = {"merge_method", "base_model", "models", "slices", "parameters", "dtype", "out_dtype",
@@ -34,9 +36,8 @@ class Input:
     params: dict
     layers: list | None = None
 
-    def entry(self, weight) -> dict:
-        out = {**self.ref, **({"layers": self.layers} if self.layers is not None else {})}
-        return {**out, **({"weight": weight} if weight is not None else {})}
+    def entry(self) -> dict:
+        return {**self.ref, **({"layers": self.layers} if self.layers is not None else {})}
 
 
 def convert_yaml(data: dict, notes: list[str]) -> dict:
@@ -59,7 +60,7 @@ def convert_yaml(data: dict, notes: list[str]) -> dict:
             notes.append(f"{where}: not carried: {DROPPED[name]}")
         elif name == "eps" and method == "multislerp":
             notes.append(f"{where}: not carried: moemerge's multislerp uses eps 1e-8")
-        elif name == "weight" or name in PER_MODEL_DEFAULTS:
+        elif name in PER_MODEL:
             shared[name] = value
         elif spec.param(name) is None:
             raise RecipeError(f"{where}: {method} in moemerge takes no {name!r} (it takes "
@@ -69,20 +70,24 @@ def convert_yaml(data: dict, notes: list[str]) -> dict:
     recipe: dict = {"kind": "merge"}
     if data.get("name"):
         recipe["name"] = data["name"]
-    if data.get("slices"):
+    sliced = bool(data.get("slices"))
+    if sliced:
         slices = [_slice(s, i, base, spec, notes) for i, s in enumerate(data["slices"])]
         inputs = [i for s in slices for i in s]
-        recipe["slices"] = [{"sources": [_entry(i, shared, method) for i in s]} for s in slices]
     else:
         inputs = _models(data.get("models") or [], base, spec, notes)
-        recipe["models"] = [_entry(i, shared, method) for i in inputs]
-    if method == "karcher":  # mergekit's karcher weighs every input equally
-        weighted = [m for m in recipe.get("models", []) if m.pop("weight", None) is not None]
-        if weighted:
-            notes.append("weight: not carried: mergekit's karcher ignores the models' weights "
-                         "(moemerge's would use them)")
-    for name, default in PER_MODEL_DEFAULTS.items():
-        _per_model(name, default, inputs, shared, method, merge, notes, bool(data.get("slices")))
+    entries = [_entry(i, shared, method, sliced, notes) for i in inputs]
+    if sliced:
+        counts = iter(entries)
+        recipe["slices"] = [{"sources": [next(counts) for _ in s]} for s in slices]
+    else:
+        recipe["models"] = entries
+    for name in sorted(set(shared) - set(read_per_model(method))):
+        notes.append(f"parameters.{name}: not carried: {method} takes no {name} (mergekit "
+                     "ignores it too)")
+    for name in read_per_model(method):
+        if name != "weight":
+            _per_model(name, inputs, entries, shared, merge, sliced)
     merge.update(conventions(method, merge))
     if base is not None and spec.base != "ignored":
         recipe["base_model"] = base
@@ -101,53 +106,55 @@ def convert_yaml(data: dict, notes: list[str]) -> dict:
     return recipe
 
 
-def _entry(inp: Input, shared: dict, method: str) -> dict:
-    """The recipe's entry of one input, with its weight: its own, else `parameters.weight`."""
-    weight = inp.params.get("weight", shared.get("weight"))
-    if isinstance(weight, list | dict):
-        raise RecipeError(f"{inp.where}.parameters.weight: a filtered or per-layer weight cannot "
-                          f"be imported (moemerge has one weight per model)")
-    return inp.entry(weight)
+def _entry(inp: Input, shared: dict, method: str, sliced: bool, notes: list[str]) -> dict:
+    """The recipe's entry of one input with its weight: its own, else `parameters.weight`
+    (moemerge's merge block has no weight); a per-model parameter the method does not read
+    is noted."""
+    entry = inp.entry()
+    read = read_per_model(method)
+    for name in sorted(set(inp.params) - set(read)):
+        notes.append(f"{inp.where}.parameters.{name}: not carried: mergekit's {method} ignores "
+                     f"a per-model {name} (so does the recipe)")
+    if "weight" in read:
+        weight = chain(_own(inp, "weight", sliced), _global(shared, "weight", sliced))
+        if weight:
+            entry["weight"] = own_setting(weight, f"{inp.where}.parameters.weight")
+    return entry
 
 
-def _per_model(name: str, default: float, inputs: list[Input], shared: dict, method: str,
-               merge: dict, notes: list[str], slices: bool) -> None:
-    """mergekit resolves density, gamma and epsilon per model (its own setting, else the
-    global one, else the default); moemerge has one per tensor: carried when every merged
-    model resolves to the same setting, else refused (never one model's value for all)."""
-    given = [i.where for i in inputs if name in i.params] + (
-        [f"parameters.{name}"] if name in shared else [])
-    if REGISTRY[method].param(name) is None:
-        if given:
-            notes.append(f"{given[0]}: not carried: {method} takes no {name} (mergekit ignores "
-                         "it too)")
+def _per_model(name: str, inputs: list[Input], entries: list[dict], shared: dict, merge: dict,
+               sliced: bool) -> None:
+    """mergekit resolves density, gamma, epsilon and scale per model: its own setting, else
+    the global one, else the default. When every model resolves to the same setting it goes
+    into the merge block (where `--tune-on` varies it); else each model's own goes into its
+    entry, with the global setting and mergekit's default behind them in the merge block."""
+    default = [{"value": PER_MODEL_DEFAULTS[name]}] if name in PER_MODEL_DEFAULTS else []
+    fallback = chain(_global(shared, name, sliced), default)
+    owns = [_own(inp, name, sliced) for inp in inputs]
+    resolved = [chain(own, fallback) for own in owns]
+    if all(r == resolved[0] for r in resolved):
+        carry(merge, name, resolved[0], f"parameters.{name}")
         return
-    glob = conditions(shared.get(name), f"parameters.{name}")
-    settings = []
-    for inp in inputs:
-        own = conditions(inp.params.get(name), f"{inp.where}.parameters.{name}")
-        if slices and is_filtered(own):
-            raise RecipeError(f"{inp.where}.parameters.{name}: a filtered per-source setting "
-                              "cannot be imported (mergekit matches it against the source's "
-                              "layer names, moemerge against the output's)")
-        settings.append((inp, chain(own, glob, [{"value": default}])))
-    for inp, setting in settings[1:]:
-        first, value = settings[0]
-        if setting != value:
-            raise RecipeError(
-                f"{inp.where}.parameters.{name}: {shown(setting)!r} where {first.where} has "
-                f"{shown(value)!r}; moemerge applies one {name} to every model (mergekit "
-                f"resolves each model's own, else parameters.{name}, else {default:g}), so "
-                "this config cannot be imported without changing the model")
-    if settings:
-        carry(merge, name, settings[0][1], f"{settings[0][0].where}.parameters.{name}")
+    carry(merge, name, fallback, f"parameters.{name}")
+    for inp, entry, own in zip(inputs, entries, owns, strict=True):
+        if own:
+            entry[name] = own_setting(own, f"{inp.where}.parameters.{name}")
 
 
-def _check_params(inp: Input) -> None:
-    for name in inp.params:
-        if name != "weight" and name not in PER_MODEL_DEFAULTS:
-            raise RecipeError(f"{inp.where}.parameters.{name}: a per-model {name} cannot be "
-                              "imported")
+def _own(inp: Input, name: str, sliced: bool) -> list[dict]:
+    where = f"{inp.where}.parameters.{name}"
+    conds = conditions(inp.params.get(name), where)
+    if sliced:
+        check_source_filters(conds, where)
+    return conds
+
+
+def _global(shared: dict, name: str, sliced: bool) -> list[dict]:
+    where = f"parameters.{name}"
+    conds = conditions(shared.get(name), where)
+    if sliced:  # a per-model parameter's global setting is matched like the model's own
+        check_source_filters(conds, where)
+    return conds
 
 
 def _merged(inputs: list[Input], base, spec, notes: list[str], reference: bool) -> list[Input]:
@@ -160,7 +167,6 @@ def _merged(inputs: list[Input], base, spec, notes: list[str], reference: bool) 
                 notes.append(f"{inp.where}.parameters: not carried: {spec.name} applies no "
                              "parameters to the base model (nor does mergekit)")
             continue
-        _check_params(inp)
         out.append(inp)
     if spec.name == "slerp" and base is not None:
         out.sort(key=lambda i: i.ref != base)

@@ -6,7 +6,7 @@ same name substring)."""
 from __future__ import annotations
 
 from moemerge.errors import RecipeError
-from moemerge.merge.registry import REGISTRY
+from moemerge.merge.registry import REGISTRY, per_model_params
 
 METHODS = {"linear": "average"} | {
     m: m for m in ("task_arithmetic", "ties", "dare_ties", "dare_linear", "breadcrumbs",
@@ -23,10 +23,20 @@ MERGEKIT_NORMALIZE = {"task_arithmetic": False, "dare_linear": False, "dare_ties
                       "breadcrumbs": False, "breadcrumbs_ties": False, "della_linear": False}
 RENAMED = {"normalize_weights": "normalize"}  # mergekit name -> moemerge name
 DROPPED = {"int8_mask": "a memory option of mergekit (moemerge computes in float32)"}
-# mergekit's defaults of its per-model parameters (GeneralizedTaskArithmeticMerge); moemerge's
-# differ (density 0.7 or 0.9), so the importer always writes them
+# mergekit's defaults of its per-model parameters where moemerge's differ (density 0.7 or 0.9;
+# gamma and epsilon are written with them); passthrough's scale defaults to 1 in both
 PER_MODEL_DEFAULTS = {"density": 1.0, "gamma": 0.01, "epsilon": 0.15}
+PER_MODEL = ("weight", *per_model_params())  # the names mergekit may read per model
 ANY = (None, "*", "")  # filters that match every tensor ("" is a substring of every name)
+
+
+def read_per_model(method: str) -> tuple[str, ...]:
+    """The parameters mergekit reads per model for this method (its `tensor_parameters`): the
+    models' weight where the method weighs them (not karcher: mergekit's weighs every model
+    the same), and the registry's per-model parameters, which mirror mergekit's."""
+    spec = REGISTRY[method]
+    weight = ("weight",) if spec.weights and spec.target and method != "karcher" else ()
+    return weight + spec.per_model
 
 
 def moemerge_method(name: str) -> str:
@@ -101,9 +111,32 @@ def is_filtered(conds: list[dict]) -> bool:
     return any(c.get("filter") not in ANY for c in conds)
 
 
-def shown(conds: list[dict]) -> object:
-    """A setting as the user wrote it, for messages: a lone value, else the conditions."""
-    return conds[0]["value"] if len(conds) == 1 and not is_filtered(conds) else conds
+def own_setting(conds: list[dict], where: str) -> object:
+    """A model's own setting in moemerge's form: a number or a gradient as it is, else its
+    conditions in order, each filter a tensor-name substring (mergekit's first match wins, as
+    in moemerge's per-model conditions)."""
+    if len(conds) == 1 and not is_filtered(conds):
+        return _scalar(conds[0].get("value"), where)
+    out = []
+    for cond in conds:
+        flt, value = cond.get("filter"), _scalar(cond.get("value"), where)
+        if flt not in ANY and not isinstance(flt, str):
+            raise RecipeError(f"{where}: filter {flt!r} is not a tensor-name substring")
+        out.append({"value": value} if flt in ANY else {"tensors": [flt], "value": value})
+    return out
+
+
+def check_source_filters(conds: list[dict], where: str) -> None:
+    """In `slices` mergekit matches a per-model setting's filters against the source's tensor
+    names, moemerge against the output's: the same tensors when the filter holds no digit
+    (the names differ only in the layer number); one with a digit is refused."""
+    for cond in conds:
+        flt = cond.get("filter")
+        if isinstance(flt, str) and any(ch.isdigit() for ch in flt):
+            raise RecipeError(f"{where}: filter {flt!r} holds a digit: mergekit matches it "
+                              "against the source's layer names, moemerge against the output's, "
+                              "so a filtered per-source setting with a layer number cannot be "
+                              "imported")
 
 
 def carry(merge: dict, name: str, conds: list[dict], where: str) -> None:
