@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from stamp import stamp_line  # noqa: E402
 
 GROUPS = {  # label prefix: bar colour
     "base": "#7f7f7f", "expert": "#bcbd22", "dense": "#8c564b", "token_routed": "#1f77b4",
@@ -177,6 +181,8 @@ def markdown(result: dict) -> str:
         f"torch {result['torch']}, transformers {result.get('transformers', '?')}; "
         f"{result['date']}; whole run {result['runtime_s'] / 60:.1f} min, with the expert set "
         f"cached (making it the first time took {result['toy_make_s'] / 60:.1f} min more).", "",
+        *([f"Provenance: {stamp_line(result['provenance'])}", ""]
+          if "provenance" in result else []),
         setup(result), "",
         f"**Training.** Batches of {s['batch_size']} × {s['seq_len']} tokens of the training "
         f"text (all domains), AdamW, warm-up + cosine. Routers (and CAMEx curvature): "

@@ -36,9 +36,10 @@ from pathlib import Path
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent.parent)]
 from models import CONTROLS, TRAINED, Models, add_training_options  # noqa: E402
 from report import markdown, plot, summary  # noqa: E402
+from stamp import provenance  # noqa: E402
 
 RESULTS = Path(__file__).parent.parent / "results"
 ROUTED = ("token_", "seq_", "merged_", "camex_")  # keys of MoEs whose experts are the domains'
@@ -238,6 +239,7 @@ def main() -> None:
         "preset": args.preset, "spec": ts.spec.__dict__ | {"domains": list(ts.spec.domains)},
         "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
         "transformers": transformers.__version__, "tune_balanced": True,
+        "provenance": provenance(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.threads} torch "
                    f"thread(s)",
         "settings": {k: v for k, v in vars(args).items() if k not in ("threads", "only")},
