@@ -65,7 +65,7 @@ PRESETS = {
 def rows(ts, a) -> list[tuple[str, str, bool]]:
     """(label, model key, trained over seeds) of every row, in the table's order."""
     r, f, p = a.steps, a.full_steps, a.steps + a.full_steps
-    skipped = PRESETS[a.preset][1]
+    skipped = PRESETS[a.preset][1] | set(filter(None, a.skip.split(",")))
     btx = []
     if hasattr(ts.spec, "steps"):  # real experts: BTX's control, the experts' compute
         n, s = len(ts.experts), ts.spec.steps
@@ -182,6 +182,8 @@ def main() -> None:
     parser.add_argument("--tune-lambdas", default="0.3,0.5,0.7,1.0")
     parser.add_argument("--tune-densities", default="0.5,0.7,0.9")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--skip", default="", help="comma-separated row keys left out of "
+                        "the results (e.g. dense_btx, whose training takes ~40 min on 2 cores)")
     parser.add_argument("--only", default="", help="comma-separated row keys (a partial run "
                         "for trying changes; writes no results)")
     preset = parser.parse_known_args()[0].preset
