@@ -13,10 +13,13 @@ from pathlib import Path
 
 import torch
 
+from moemerge.assemble.remote_code import copy_modeling_code
 from moemerge.errors import CheckpointError
 from moemerge.io.atomic import RECIPE_COPY, SIDE_FILES, atomic_output_dir, copy_side_files
 from moemerge.io.reader import CheckpointReader, read_config
 from moemerge.io.writer import ShardedWriter
+from moemerge.loading import load_pretrained
+from moemerge.modeling import is_merged_experts
 
 CURVATURE = ".mlp.curvature."
 KEEP = (*SIDE_FILES, RECIPE_COPY)
@@ -25,10 +28,6 @@ KEEP = (*SIDE_FILES, RECIPE_COPY)
 def bake_curvature(model_dir: Path, out: Path, *, force: bool = False,
                    max_shard_bytes: int = 5 * 10**9) -> list[str]:
     """Write the baked model to `out` (atomically); return the names of the baked tensors."""
-    from moemerge.assemble.remote_code import copy_modeling_code
-    from moemerge.loading import load_pretrained
-    from moemerge.modeling import is_merged_experts
-
     model_dir, out = Path(model_dir), Path(out)
     config = read_config(model_dir)
     if not is_merged_experts(config):

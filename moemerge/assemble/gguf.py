@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from moemerge.architectures.tables import moe_layouts
 from moemerge.errors import OutputError, RecipeError
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
@@ -48,8 +49,6 @@ def check_convertible(recipe) -> None:
 def check_layout_converts(config: dict) -> None:
     """Before any tensor is read (from the planned config.json): an MoE layout llama.cpp's
     converter does not know is refused, naming those it does."""
-    from moemerge.architectures.tables import moe_layouts
-
     layouts = moe_layouts().values()
     architecture = (config.get("architectures") or [None])[0]
     layout = next((lay for lay in layouts if lay.architecture == architecture), None)

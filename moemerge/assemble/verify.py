@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from moemerge.errors import OutputError
 from moemerge.io.reader import CheckpointReader
 from moemerge.loading import load_pretrained
@@ -36,7 +38,6 @@ def check_loads(directory: Path) -> None:
     """Load with transformers and insist on no missing, unexpected or misshapen tensors
     (moemerge's own kinds with the installed code, of which the shipped files are copies:
     nothing is imported from the output directory)."""
-    import torch
     try:
         _, info = load_pretrained("AutoModelForCausalLM", directory, output_loading_info=True,
                                   dtype=torch.float32)

@@ -1,4 +1,6 @@
-"""Recipe + input headers -> Plan. Shapes are validated here, before any tensor data is read."""
+"""Plans of dense merges (`kind: merge`; `slices` in plan/slices.py) and token-routed MoEs
+(`assembly: token_routed`): recipe + input headers -> Plan, before any tensor data is read
+(the inputs' shapes were checked when they were opened, plan/sources.py)."""
 
 from __future__ import annotations
 

@@ -6,6 +6,10 @@ a wrong intermediate_size) would make a model that does not load, or a check tha
 
 from __future__ import annotations
 
+import math
+
+import torch
+
 from moemerge.architectures import TensorRole
 from moemerge.errors import CheckpointError
 
@@ -88,10 +92,6 @@ def check_config_values(config: dict, where: str) -> None:
     flags, dtype, architectures) have the type and range transformers gives them, and no
     number anywhere in it is NaN or infinite; CheckpointError naming `where`/config.json and
     the key otherwise. Absent or null keys are fine."""
-    import math
-
-    import torch
-
     def bad(key: str, value: object, must: str) -> CheckpointError:
         return CheckpointError(f"{where}/config.json: {key} is {repr(value)[:60]}; {must}")
 

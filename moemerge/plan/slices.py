@@ -14,8 +14,6 @@ from moemerge.plan.sources import SourceModel
 from moemerge.recipe.models import MergeRecipe
 from moemerge.recipe.slices import Slice, SliceSource
 
-LAYER_LISTS = ("layer_types",)  # per-layer config lists, re-cut to the output's layers
-
 
 def renamed(name: str, layer: int, to: int) -> str:
     """A layer tensor's name moved from layer `layer` to layer `to`."""

@@ -155,7 +155,7 @@ def _same_vocabulary(a: SourceModel, b: SourceModel) -> bool:
     if a.config.get("vocab_size") != b.config.get("vocab_size"):
         return False
     fa, fb = vocab_fingerprint(a.path), vocab_fingerprint(b.path)
-    return fa is None or fb is None or fa == fb  # no tokenizer.json: as before, assumed one
+    return fa is None or fb is None or fa == fb  # no tokenizer.json: assumed the same
 
 
 def map_vocabularies(models: list[SourceModel], target: int) -> tuple[list[SourceModel],
