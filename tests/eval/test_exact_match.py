@@ -8,7 +8,8 @@ from conftest import perturbed_copy, write_recipe
 from transformers import AutoModelForCausalLM
 
 from moemerge.api import build
-from moemerge.eval.exact_match import answer_ids, code_items, greedy_continues, math_items
+from moemerge.eval.exact_match import (answer_ids, code_items, completion_cut, greedy_continues,
+                                      math_items)
 from moemerge.toy.corpora import domain_text
 
 NEW = 6
@@ -66,5 +67,13 @@ def test_items_from_the_corpora(tokenizer):
         assert " = " not in value  # the final value only
     code = code_items(domain_text("code", 40_000, split="eval"), tokenizer, 20, context=32)
     assert len(code) == 20
-    assert all("\n" not in line and len(line.strip()) >= 12 for _, line in code)
-    assert all(prompt.endswith("\n") for prompt, _ in code)
+    for prompt, rest in code:  # the prompt ends inside the line that the answer completes
+        line = prompt.rsplit("\n", 1)[-1] + rest
+        assert "\n" not in rest and rest.strip() and len(line.strip()) >= 12
+
+
+def test_completion_cut():
+    assert completion_cut("    return a + b") == len("    return ")
+    assert completion_cut("    self.assertEqual(f(1), 2)") == len("    self.")
+    assert completion_cut("        x") == len("        ")  # one word: after the indent
+    assert completion_cut("abcdefgh ij") == 0
