@@ -8,6 +8,7 @@ with transformers' (float32) on the same token ids of real text: max |Δlogit| a
 llama.cpp comes from the `llama-cpp-python` sdist, built for this CPU (llamacpp.py).
 
     python benchmarks/downstream/run.py [--cache /tmp/moemerge-downstream] [--cases a,b]
+    python benchmarks/downstream/run.py --real   # a MoE of the real SmolLM2 experts, + q8_0
 
 Everything but the results is cached under --cache, each case and file once, so a run may be
 split (`--cases`) and resumed; results per case go to CACHE/results/NAME.json (with the
@@ -52,6 +53,12 @@ class Case:
     dtype: str = "float32"  # the output's dtype
     shared: str = "none"  # Qwen2-MoE's shared_expert
     note: str = ""
+    real: bool = False  # sources: the real SmolLM2 expert set (trained weights), not random
+
+    @property
+    def outtypes(self) -> tuple[str, ...]:
+        # q8_0 only where weights are trained: on random ones its error says nothing of users'
+        return ("f32", "bf16", "q8_0") if self.real else ("f32", "bf16")
 
     @property
     def tokenizer(self) -> str:
@@ -76,6 +83,11 @@ CASES = [
     Case("qwen3moe-3x-k2", "qwen3", 3, 2),
     Case("qwen3moe-5x-k1-tied", "qwen3", 5, 1, tied=True),
     Case("qwen3moe-4x-k2-base-bf16", "qwen3", 3, 2, include_base=True, dtype="bfloat16"),
+]
+# run with --real: the real set (`moemerge toy DIR --preset smollm2-experts`, ~40 min to make)
+REAL_CASES = [
+    Case("real-smollm2-mixtral-4x-k2", "llama", 4, 2, tied=True, dtype="bfloat16", real=True,
+         note="SmolLM2-135M and its 4 experts (code, prose, math, C++); calibrated router"),
 ]
 
 
@@ -128,6 +140,31 @@ def dense_sources(cache: Path, case: Case) -> tuple[Path, list[Path]]:
     return base, experts
 
 
+def real_set():
+    """The real expert set (cached; made on first use)."""
+    from moemerge.toy.real_experts import REAL, cached_real_experts
+
+    return cached_real_experts(REAL)
+
+
+def sources(cache: Path, case: Case) -> tuple[Path, list[Path]]:
+    if not case.real:
+        return dense_sources(cache, case)
+    ts = real_set()
+    return ts.base, list(ts.experts.values())
+
+
+def router_lines(case: Case) -> list[str]:
+    """Random routers at std 1 route tokens to different experts on random sources; the real
+    set's router is calibrated on its experts' training text, as a user would build it."""
+    if not case.real:
+        return ["router: {init: random, std: 1.0}"]
+    ts = real_set()
+    data = ", ".join(f"{d}={p}" for d, p in ts.train_text.items())
+    return ["router: {init: calibrate}",
+            f"calibration: {{data: [{data}], max_tokens: 1024, seq_len: 128}}"]
+
+
 def build_moe(cache: Path, case: Case, base: Path, experts: list[Path]) -> Path:
     from moemerge.api import build
 
@@ -140,7 +177,7 @@ def build_moe(cache: Path, case: Case, base: Path, experts: list[Path]) -> Path:
              f"experts: [{', '.join(str(e) for e in experts[:case.experts])}]",
              f"experts_per_token: {case.k}",
              f"include_base_expert: {str(case.include_base).lower()}",
-             "router: {init: random, std: 1.0}",  # routes differ per token at this init
+             *router_lines(case),
              f"output: {{dtype: {case.dtype}}}", "seed: 0"]
     if case.family == "qwen2":
         lines.append(f"shared_expert: {case.shared}")
@@ -152,6 +189,14 @@ def build_moe(cache: Path, case: Case, base: Path, experts: list[Path]) -> Path:
 def windows(cache: Path, case: Case) -> list[list[int]]:
     from moemerge.toy.corpora import domain_text
 
+    if case.real:  # the real tokenizer on each domain's held-out text, as many windows each
+        from transformers import AutoTokenizer
+
+        ts = real_set()
+        tokenizer = AutoTokenizer.from_pretrained(ts.base)
+        per = TOKENS // CTX // len(ts.eval_text)
+        return [tokenizer(p.read_text(), add_special_tokens=False)["input_ids"][i:i + CTX]
+                for p in ts.eval_text.values() for i in range(0, per * CTX, CTX)]
     ids = real_tokenizers.encoder(case.tokenizer, cache / f"tok-{case.tokenizer}")(
         domain_text("prose", 8 * TOKENS, seed=0, split="eval"))
     if len(ids) < TOKENS:
@@ -186,6 +231,7 @@ def compare(cache: Path, model_dir: Path, gguf: Path, wins: list[list[int]]) -> 
     transformers float32 against float64: the float32 rounding floor of this model."""
     n = sum(len(w) - 1 for w in wins)
     max_diff, floor, nll_t, nll_l, logit_sq, logit_max = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    same_argmax = 0
     for w, ref, exact, got in zip(wins, transformers_logits(model_dir, wins),
                                   transformers_logits(model_dir, wins, torch.float64),
                                   llamacpp.logits(gguf, wins), strict=True):
@@ -194,13 +240,14 @@ def compare(cache: Path, model_dir: Path, gguf: Path, wins: list[list[int]]) -> 
         if not torch.isfinite(got).all():
             max_diff = math.nan
         floor = max(floor, (ref - exact).abs().max().item())
+        same_argmax += (got.argmax(-1) == ref.argmax(-1))[:-1].sum().item()
         nll_t, nll_l = nll_t + nll(ref, w), nll_l + nll(got, w)
         logit_sq += ref.std(dim=-1).square().mean().item()
         logit_max = max(logit_max, ref.abs().max().item())
     ppl_t, ppl_l = math.exp(nll_t / n), math.exp(nll_l / n)
     return {"max_abs_logit": max_diff, "ppl_transformers": ppl_t, "ppl_llama_cpp": ppl_l,
             "ppl_rel": abs(ppl_l - ppl_t) / ppl_t, "logit_std": math.sqrt(logit_sq / len(wins)),
-            "logit_max": logit_max, "f32_vs_f64": floor}
+            "logit_max": logit_max, "f32_vs_f64": floor, "argmax_agreement": same_argmax / n}
 
 
 def run_case(cache: Path, case: Case) -> dict:
@@ -208,16 +255,17 @@ def run_case(cache: Path, case: Case) -> dict:
     if out.is_file():
         return json.loads(out.read_text())
     t0 = time.time()
-    base, experts = dense_sources(cache, case)
+    base, experts = sources(cache, case)
     moe = build_moe(cache, case, base, experts)
     wins = windows(cache, case)
     row = {"case": case.name, "arch": json.loads((moe / "config.json").read_text())
            ["architectures"][0], "dtype": case.dtype, "note": case.note, "tokens": len(wins) * CTX}
     for label, model in (("moe", moe), ("dense", base)):
-        for outtype in ("f32", "bf16"):
+        for outtype in case.outtypes:
             gguf_dir = cache / "gguf"
             gguf_dir.mkdir(exist_ok=True)
-            stem = case.name if label == "moe" else f"dense-{case.base_key}-{case.dtype}"
+            stem = (case.name if label == "moe" else
+                    f"dense-{'real-' if case.real else ''}{case.base_key}-{case.dtype}")
             gguf = llamacpp.convert(cache, model, gguf_dir / f"{stem}-{outtype}.gguf", outtype)
             row[f"{label}_{outtype}"] = compare(cache, model, gguf, wins)
             print(f"  {label} {outtype}: {row[f'{label}_{outtype}']}")
@@ -266,27 +314,62 @@ def table(rows: list[dict], llama_cpp: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def real_table(rows: list[dict], llama_cpp: str) -> str:
+    """One line per model and GGUF type of the --real cases."""
+    targets = {"f32": F32_PPL, "bf16": BF16_PPL}
+    lines = ["# llama.cpp vs transformers on a MoE of real pretrained experts", "",
+             stamp_line(provenance()), "",
+             "Written by `benchmarks/downstream/run.py --real` ([README](../downstream/README.md))."
+             f" llama.cpp (vendored in the {llama_cpp} sdist, built for CPU; f32 KV cache) "
+             f"against transformers (float32) on the same {TOKENS} tokens: the real set's "
+             f"held-out text, {TOKENS // CTX // 4} windows of {CTX} per domain (code, prose, "
+             "math, C++). Targets: relative perplexity difference ≤ "
+             f"{F32_PPL:g} for f32 GGUF, ≤ {BF16_PPL:g} for bf16; q8_0 has none (8-bit "
+             "weights). Argmax agreement: the share of positions where both pick the same next "
+             "token.", "",
+             "| case | model | GGUF | max \\|Δlogit\\| | perplexity transformers | perplexity "
+             "llama.cpp | relative Δ | target | argmax agreement |",
+             "|---|---|---|---:|---:|---:|---:|---|---:|"]
+    for r in rows:
+        for label in ("moe", "dense"):
+            for outtype in ("f32", "bf16", "q8_0"):
+                c = r[f"{label}_{outtype}"]
+                target = targets.get(outtype)
+                verdict = "–" if target is None else (
+                    f"≤ {target:g} " + ("✓" if c["ppl_rel"] <= target else "✗"))
+                lines.append(
+                    f"| {r['case']} | {'MoE' if label == 'moe' else 'dense base'} | {outtype} | "
+                    f"{c['max_abs_logit']:.2e} | {c['ppl_transformers']:.4f} | "
+                    f"{c['ppl_llama_cpp']:.4f} | {c['ppl_rel']:.1e} | {verdict} | "
+                    f"{c['argmax_agreement']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cache", type=Path, default=Path("/tmp/moemerge-downstream"))
     parser.add_argument("--cases", default="", help="comma-separated case names (default all)")
+    parser.add_argument("--real", action="store_true", help="the cases built from the real "
+                        "SmolLM2 expert set instead (results/downstream-real.md)")
     opts = parser.parse_args()
     torch.set_num_threads(2)
     cache = opts.cache.resolve()
     llamacpp.setup(cache)
+    cases = REAL_CASES if opts.real else CASES
     wanted = set(filter(None, opts.cases.split(",")))
-    unknown = wanted - {c.name for c in CASES}
+    unknown = wanted - {c.name for c in cases}
     if unknown:
-        sys.exit(f"unknown case(s) {sorted(unknown)}; known: {[c.name for c in CASES]}")
-    for case in CASES:
+        sys.exit(f"unknown case(s) {sorted(unknown)}; known: {[c.name for c in cases]}")
+    for case in cases:
         if not wanted or case.name in wanted:
             print(case.name, flush=True)
             run_case(cache, case)
-    rows = [json.loads((cache / "results" / f"{c.name}.json").read_text()) for c in CASES
+    rows = [json.loads((cache / "results" / f"{c.name}.json").read_text()) for c in cases
             if (cache / "results" / f"{c.name}.json").is_file()]
     RESULTS.mkdir(exist_ok=True)
-    text = table(rows, llamacpp.sdist_dir(cache).name.replace("_", "-"))
-    (RESULTS / "downstream.md").write_text(text)
+    name = llamacpp.sdist_dir(cache).name.replace("_", "-")
+    text = real_table(rows, name) if opts.real else table(rows, name)
+    (RESULTS / ("downstream-real.md" if opts.real else "downstream.md")).write_text(text)
     print(text)
 
 

@@ -164,24 +164,26 @@ def progress_bars(enabled: bool) -> Iterator[Callable[[str, int], Callable | Non
         yield task
 
 
-def _write_texts(spec: ToySpec, out_dir: Path, meta: dict) -> dict[str, str]:
-    """Write data/<domain>.{train,eval}.txt; returns the train text of each domain."""
-    train_texts = {}
+def write_texts(spec, out_dir: Path, meta: dict) -> dict[str, tuple[str, str]]:
+    """Write data/<domain>.{train,eval}.txt for a toy or real set's `spec` (its domains,
+    train_chars, eval_chars and seed) and record their paths in `meta`; returns each domain's
+    (train, held-out) text."""
+    (out_dir / "data").mkdir(parents=True, exist_ok=True)
+    texts = {}
     for d in spec.domains:
-        train_texts[d], held_out = domain_texts(d, spec.train_chars, spec.eval_chars, spec.seed)
-        for split, text in (("train", train_texts[d]), ("eval", held_out)):
+        texts[d] = domain_texts(d, spec.train_chars, spec.eval_chars, spec.seed)
+        for split, text in zip(("train", "eval"), texts[d], strict=True):
             (out_dir / "data" / f"{d}.{split}.txt").write_text(text, encoding="utf-8")
             meta[f"{split}_text"][d] = f"data/{d}.{split}.txt"
-    return train_texts
+    return texts
 
 
 def make_toy_experts(spec: ToySpec, out_dir: Path, progress: bool = True) -> ToySet:
     """Build a toy set for `spec` in `out_dir` (see the module docstring for the layout)."""
     out_dir, clock, timings = Path(out_dir), time.perf_counter(), {}
-    (out_dir / "data").mkdir(parents=True, exist_ok=True)
     meta = {"format": FORMAT_VERSION, "spec": asdict(spec), "base": "base", "experts": {}}
     meta |= {"eval_text": {}, "train_text": {}, "final_loss": {}}
-    texts = _write_texts(spec, out_dir, meta)
+    texts = {d: train for d, (train, _) in write_texts(spec, out_dir, meta).items()}
     tokenizer = train_tokenizer(list(texts.values()), spec.vocab)
     streams = {d: token_stream(tokenizer, t) for d, t in texts.items()}  # each [N_d]
     timings["data_s"] = time.perf_counter() - clock

@@ -31,8 +31,7 @@ from pathlib import Path
 
 from moemerge.loading import quiet_transformers
 from moemerge.toy.cache import cache_root, cached_entry
-from moemerge.toy.corpora import domain_texts
-from moemerge.toy.experts import ToySet, progress_bars
+from moemerge.toy.experts import ToySet, progress_bars, write_texts
 from moemerge.toy.train import token_stream, train_lm, window_loss
 
 FORMAT_VERSION = 1  # bump when the corpora or the training change what a spec makes
@@ -77,14 +76,8 @@ def make_real_experts(spec: RealExpertSpec, base: Path, out_dir: Path,
     tokenizer = AutoTokenizer.from_pretrained(base)
     record = {"format": FORMAT_VERSION, "spec": asdict(spec), "base": "base", "experts": {},
               "train_text": {}, "eval_text": {}, "perplexity": {}, "seconds": {}}
-    (out_dir / "data").mkdir()
-    streams = {}
-    for domain in spec.domains:
-        train, held = domain_texts(domain, spec.train_chars, spec.eval_chars, spec.seed)
-        for split, text in (("train", train), ("eval", held)):
-            (out_dir / "data" / f"{domain}.{split}.txt").write_text(text, encoding="utf-8")
-            record[f"{split}_text"][domain] = f"data/{domain}.{split}.txt"
-        streams[domain] = (token_stream(tokenizer, train), token_stream(tokenizer, held))
+    streams = {d: (token_stream(tokenizer, train), token_stream(tokenizer, held))
+               for d, (train, held) in write_texts(spec, out_dir, record).items()}
 
     def score(model) -> dict[str, float]:
         return {d: round(heldout_perplexity(model, held, spec.seq_len, spec.eval_tokens), 4)

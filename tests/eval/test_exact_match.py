@@ -8,8 +8,13 @@ from conftest import perturbed_copy, write_recipe
 from transformers import AutoModelForCausalLM
 
 from moemerge.api import build
-from moemerge.eval.exact_match import (answer_ids, code_items, completion_cut, greedy_continues,
-                                      math_items)
+from moemerge.eval.exact_match import (
+    answer_ids,
+    code_items,
+    completion_cut,
+    greedy_continues,
+    math_items,
+)
 from moemerge.toy.corpora import domain_text
 
 NEW = 6
