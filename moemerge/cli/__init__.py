@@ -8,6 +8,7 @@ from moemerge.cli import (  # noqa: F401
     build,
     demo,
     export,
+    extract,
     finetune,
     import_mergekit,
     inspect,

@@ -59,6 +59,7 @@ READERS = {
     "build calibrate": ("dense", ["build", "calibrate.yaml", "out", "-q"]),
     "finetune": ("moe", ["finetune", "moe", "out", "--data", "text.txt", "-q", "--steps", "1"]),
     "export": ("moe", ["export", "moe", "out"]),
+    "extract": ("moe", ["extract", "moe", "out", "--expert", "0"]),
     "route": ("seq", ["route", "seq", "text.txt"]),
     "inspect task-vectors": ("dense", ["inspect", "task-vectors", "dense", "moe2", "-q"]),
     "inspect routing": ("moe", ["inspect", "routing", "moe", "--data", "code=text.txt"]),

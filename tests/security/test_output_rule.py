@@ -22,6 +22,7 @@ OUTPUTS = {
     ("build", "output"): "dir",
     ("finetune", "output"): "dir",
     ("export", "output"): "dir",
+    ("extract", "output"): "dir",
     ("toy", "directory"): "dir",
     ("demo", "workdir"): "dir",
     ("import-mergekit", "output"): "file",
@@ -38,6 +39,7 @@ NOT_OUTPUTS = {
     ("build", "tune_densities"), ("build", "device"), ("build", "llama_cpp"),
     ("build", "gguf"),  # a type (f16, ...): the GGUF goes inside OUTPUT, under its rule
     ("validate", "recipes"), ("toy", "preset"), ("demo", "preset"), ("export", "model"),
+    ("extract", "model"), ("extract", "expert"), ("extract", "weights"),
     ("finetune", "model"), ("finetune", "config"), ("finetune", "data"), ("finetune", "train"),
     ("finetune", "text_field"), ("finetune", "label_field"), ("finetune", "schedule"),
     ("finetune", "device"), ("finetune", "autocast"), ("import-mergekit", "config"),
@@ -116,6 +118,8 @@ def invocation(key, w, target):
                 w["moe"] / "config.json")
     if command == "export":
         return ["export", w["moe"], target], w["moe"] / "config.json"
+    if command == "extract":
+        return ["extract", w["moe"], target, "--expert", "0"], w["moe"] / "config.json"
     if command == "toy":
         return ["toy", target], None
     if command == "demo":

@@ -1,0 +1,107 @@
+"""`moemerge extract`: one expert of an MoE built by moemerge, written as a dense model.
+
+Which kind the MoE is comes from its config.json (`model_type`): a transformers MoE class for
+token_routed / upcycle (token_routed.py), `moemerge` for seq_routed (seq_routed.py),
+`moemerge_merged` for merged_experts / CAMEx (merged.py). Each returns an `Extraction`; this
+module writes it under the output rule: atomically, tensor by tensor (one tensor in memory),
+with the tokenizer files, a card saying where it came from, and a load check.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from moemerge.analysis.routing import expert_labels
+from moemerge.assemble.extract.choice import expert_index, one_hot, routing_weights
+from moemerge.assemble.extract.plan import Extraction, write_order
+from moemerge.assemble.extract.token_routed import expert_count, token_layout
+from moemerge.assemble.verify import FULL_LOAD_LIMIT, check_loads
+from moemerge.errors import CheckpointError, RecipeError
+from moemerge.io.atomic import SIDE_FILES, atomic_output_dir, copy_side_files
+from moemerge.io.reader import CheckpointReader, read_config
+from moemerge.io.writer import ShardedWriter
+from moemerge.modeling import is_merged_experts, is_sequence_routed
+
+__all__ = ["Extracted", "extract_expert"]
+
+
+@dataclass
+class Extracted:
+    label: str  # the expert's name, or the weights
+    kind: str  # token_routed, seq_routed or merged_experts
+    tensors: int
+    bytes: int
+
+
+def extract_expert(moe: Path, out: Path, *, expert: str | None = None,
+                   weights: str | None = None, force: bool = False,
+                   verify: bool = True) -> Extracted:
+    """Write expert `expert` (a name or an index) of MoE `moe`, or (merged_experts) its FFNs
+    merged at routing `weights` ("w1,w2,..."), to `out` as a dense model."""
+    moe, out = Path(moe), Path(out)
+    if (expert is None) == (weights is None):
+        raise RecipeError("give --expert NAME (or an index), or --weights w1,w2,... "
+                          "(merged_experts only), not both")
+    config = read_config(moe)
+    with CheckpointReader(moe) as reader:
+        kind, extraction, label = _extraction(moe, reader, config, expert, weights)
+        extraction.tensors.sort(key=write_order)
+        size = sum(t.dtype.itemsize * math.prod(t.shape) for t in extraction.tensors)
+        metadata = {"moemerge_extracted_from": str(moe.name), "moemerge_expert": label}
+        with atomic_output_dir(out, force=force, size=size) as tmp:
+            planned = [(t.name, t.dtype, t.shape) for t in extraction.tensors]
+            with ShardedWriter(tmp, planned, metadata=metadata) as writer:
+                for t in extraction.tensors:
+                    writer.write(t.name, t.make().to(t.dtype).contiguous())
+            (tmp / "config.json").write_text(json.dumps(extraction.config, indent=2) + "\n")
+            copy_side_files(moe, tmp, SIDE_FILES)
+            (tmp / "README.md").write_text(card(moe, kind, label, extraction))
+            if verify and size <= FULL_LOAD_LIMIT:
+                check_loads(tmp)
+    return Extracted(label, kind, len(extraction.tensors), size)
+
+
+def _extraction(moe: Path, reader: CheckpointReader, config: dict, expert: str | None,
+                weights: str | None) -> tuple[str, Extraction, str]:
+    """(kind, extraction, label) for the MoE's kind."""
+    from moemerge.assemble.extract.merged import extract_merged
+    from moemerge.assemble.extract.seq_routed import extract_seq_routed
+    from moemerge.assemble.extract.token_routed import extract_token_routed
+
+    layout = token_layout(config)
+    if layout is not None:
+        count = expert_count(config, layout)
+    elif is_sequence_routed(config) or is_merged_experts(config):
+        count = len(config["experts"]) if is_sequence_routed(config) else config["num_experts"]
+    else:
+        raise CheckpointError(f"{moe}: model_type {config.get('model_type')!r} is not an MoE "
+                              "moemerge builds (token_routed, seq_routed, merged_experts)")
+    names = expert_labels(moe, count)
+    if weights is not None and not is_merged_experts(config):
+        raise RecipeError("--weights: only a merged_experts MoE merges its experts' weights; "
+                          "give --expert NAME for this one")
+    if is_merged_experts(config):
+        scores = routing_weights(weights, names) if weights is not None else \
+            one_hot(index := expert_index(expert, names), count)
+        label = names[index] if weights is None else f"weights {weights}"
+        return "merged_experts", extract_merged(reader, config, scores, label), label
+    index = expert_index(expert, names)
+    if layout is not None:
+        return "token_routed", extract_token_routed(reader, config, layout, index,
+                                                    names[index]), names[index]
+    return "seq_routed", extract_seq_routed(reader, config, index, names[index]), names[index]
+
+
+def card(moe: Path, kind: str, label: str, extraction: Extraction) -> str:
+    """README.md of the extracted model: where it came from and how it was made."""
+    arch = extraction.config["architectures"][0]
+    return (f"# {label}, extracted from `{moe.name}`\n\n"
+            f"A dense `{arch}` written by `moemerge extract` from the {kind} MoE `{moe}`: "
+            f"{extraction.what}.\n\n"
+            "It computes what the MoE computes when every token (token_routed), every sequence "
+            "(seq_routed) or every segment (merged_experts) is routed to this expert alone "
+            "(docs/extend.md). Load it with `AutoModelForCausalLM.from_pretrained(path)`; it "
+            "needs no remote code.\n")
