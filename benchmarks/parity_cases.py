@@ -135,6 +135,20 @@ CASES = [
         "method": "slerp", "t": 0.3, "overrides": [{"tensors": ["norm"], "t": [1, 0.2]}]},
         {"t": [{"filter": "norm", "value": [1, 0.2]}, {"value": 0.3}]}, family="qwen3"),
     SliceCase("passthrough (slices 3 + 3 layers)", "passthrough", {"method": "passthrough"}),
+    # t = w_2 / (w_1 + w_2) from the weights 1, 0.6
+    Case("nuslerp (with base)", "nuslerp", {"method": "nuslerp"}, models=2),
+    Case("nuslerp (per row, no base)", "nuslerp", {"method": "nuslerp", "nuslerp_flatten": False},
+         {"nuslerp_flatten": False}, base=False, models=2),
+    # the noise is N(0, 0.01²): t = 0.01 swaps about 70 % of the entries, steps the rest
+    Case("nearswap", "nearswap", {"method": "nearswap", "swap_distance": 0.01}, {"t": 0.01},
+         weights=False, models=1),
+    Case("arcee_fusion", "arcee_fusion", {"method": "arcee_fusion"}, weights=False, models=1),
+    # a threshold of 0.01 makes about a third of each task vector's entries count as unchanged
+    Case("ram", "ram", {"method": "ram", "nonzero_threshold": 0.01}, {"epsilon": 0.01},
+         weights=False),
+    Case("ramplus_tl", "ramplus_tl", {"method": "ramplus_tl", "nonzero_threshold": 0.01,
+                                      "r": 0.5, "alpha": 0.5},
+         {"epsilon": 0.01, "r": 0.5, "alpha": 0.5}, weights=False),
 ]
 RANDOM_CASES = [
     Case("dare_linear", "dare_linear", {"method": "dare_linear", "density": 0.6},
@@ -221,5 +235,8 @@ Gradients: the `t: [0, 1]` row covers the tensors outside the layers, which merg
 at the gradient's first value, the final norm and head too (mergekit 0.0.6 took those two at
 the last value; with it this row would differ by the distance between the models, ~0.06). The
 Qwen3 row: mergekit's `norm` filter, a name substring, also selects `self_attn.q_norm` and
-`k_norm`; the recipe's `tensors: [norm]` override selects the same tensors.
+`k_norm`; the recipe's `tensors: [norm]` override selects the same tensors. mergekit's
+`nearswap` `t` and `ram` `epsilon` are moemerge's `swap_distance` and `nonzero_threshold`.
+`arcee_fusion`: every tensor here has fewer than 10⁶ entries, so mergekit's quartiles are exact
+too (above that it samples them).
 """

@@ -28,6 +28,8 @@ def call_arguments(spec: MethodSpec, params: dict[str, object],
     args = {}
     for p in spec.params:
         value = given.get(p.name, given.get(p.arg, p.default))
+        if value is None:
+            raise ValueError(f"{spec.name} needs {p.name} (it has no default)")
         for one in _each_model(p, value, n_models):
             problem = p.check(one)
             if problem:

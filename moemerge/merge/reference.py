@@ -27,6 +27,8 @@ def base_text(spec: MethodSpec) -> str:
 
 def default_text(p: Param) -> str:
     value = p.default
+    if value is None:
+        return "required"
     return str(value).lower() if isinstance(value, bool) else f"{value:g}" if isinstance(
         value, float) else str(value)
 

@@ -23,7 +23,8 @@ class Param:
     ranges: `low` < x (or ≤ with `low_closed`), x ≤ `high` (or < with `high_open`). A float
     parameter may also be a list: a per-layer gradient (values spread evenly over the layers,
     interpolated linearly, as in mergekit). `per_model`: a model's entry in the recipe may set
-    its own value (mergekit's tensor parameters), which wins over the merge block's."""
+    its own value (mergekit's tensor parameters), which wins over the merge block's. A default
+    of None: the parameter has none (mergekit requires it) and a recipe must set it."""
 
     name: str
     kind: type | tuple[str, ...]
@@ -35,6 +36,10 @@ class Param:
     high_open: bool = False
     tunable: bool = False
     per_model: bool = False
+
+    @property
+    def required(self) -> bool:
+        return self.default is None
 
     @property
     def arg(self) -> str:
@@ -92,6 +97,9 @@ class MethodSpec:
     def problem(self, values: dict[str, object]) -> str | None:
         """Why these parameter values (defaults filled in) do not go together, or None."""
         full = {p.name: values.get(p.name, p.default) for p in self.params}
+        missing = [name for name, value in full.items() if value is None]
+        if missing:
+            return f"{self.name} needs {', '.join(missing)} (it has no default)"
         # gradients (lists) are checked where they are evaluated, per tensor
         if self.constraint is None or any(isinstance(v, list) for v in full.values()):
             return None
@@ -165,6 +173,23 @@ FILTER_WISE = Param("filter_wise", bool, False, "one angle per output row instea
 TOPK = Param("select_topk", float, 1.0, "fraction of entries kept, those of largest variance "
              "across the models", low=0.0, high=1.0)
 CONSENSUS_PARAMS = (NORMALIZE, ZERO_VOTE, CONSENSUS)
+NUSLERP_FLATTEN = Param("nuslerp_flatten", bool, True, "one angle for the whole tensor; false: "
+                        "one per vector along the last axis (rows), or the first with "
+                        "nuslerp_row_wise")
+NUSLERP_ROW_WISE = Param("nuslerp_row_wise", bool, False, "without nuslerp_flatten: vectors "
+                         "along the first axis (a matrix's columns) instead of the last")
+# nearswap's t and RAM's epsilon under names of their own: `t` (slerp's) and `epsilon`
+# (DELLA's, per model) mean other things here; import-mergekit renames them
+SWAP_DISTANCE = Param("swap_distance", float, None, "entries within this distance of the "
+                      "model's take its value; the others move this far toward it "
+                      "(mergekit's nearswap t)", low=0.0, low_closed=True)
+NONZERO_THRESHOLD = Param("nonzero_threshold", float, 1e-5, "|τ| above which a model counts as "
+                          "having changed an entry (mergekit's ram epsilon)", low=0.0,
+                          low_closed=True)
+RAM_R = Param("r", float, 0.1, "boost of the entries one model alone changed: × (1 + r·min(ρ, "
+              "alpha)), ρ its shared/unique ratio", low=0.0, low_closed=True)
+RAM_ALPHA = Param("alpha", float, 0.2, "cap on each model's shared/unique ratio ρ", low=0.0,
+                  low_closed=True)
 
 
 def _della_fits(v: dict) -> str | None:
@@ -224,6 +249,21 @@ METHOD_SPECS = (
     _spec("model_stock", "interpolate the average towards the base by the fine-tunes' angle",
           "Jang et al. 2024", "required", (FILTER_WISE,), "sphere:model_stock", min_models=2,
           weights=False),
+    _spec("nuslerp", "spherical interpolation of two models (or task vectors), t from their "
+          "weights; per tensor, row or column", "mergekit (Goddard 2024)", "optional",
+          (NUSLERP_FLATTEN, NUSLERP_ROW_WISE), "sphere:nuslerp", min_models=2, max_models=2),
+    _spec("nearswap", "the model's entries near the base's, elsewhere the base moved a step "
+          "toward it", "alchemonaut 2024, QuartetAnemoi model card", "required",
+          (SWAP_DISTANCE,), "swap:nearswap", "elementwise", max_models=1, weights=False),
+    _spec("arcee_fusion", "the model's entries whose importance |Δ|·KL is a Tukey outlier, "
+          "else the base's", "Arcee AI 2025, mergekit", "required", (), "swap:arcee_fusion",
+          max_models=1, weights=False),
+    _spec("ram", "per entry, the mean change of the models that changed it",
+          "RAM, arXiv 2601.13572", "required", (NONZERO_THRESHOLD,), "ram:ram", "elementwise",
+          weights=False),
+    _spec("ramplus_tl", "RAM, each model's unique entries boosted by its shared/unique ratio "
+          "(per tensor)", "RAM+, arXiv 2601.13572", "required",
+          (RAM_R, RAM_ALPHA, NONZERO_THRESHOLD), "ram:ramplus_tl", weights=False),
     _spec("passthrough", "one model's tensor as it is (layer stacking with `slices`)",
           "Goddard et al. 2024, mergekit", "ignored", (SCALE,), "sphere:passthrough",
           "elementwise",

@@ -121,3 +121,41 @@ def passthrough(tensors: Sequence[Tensor], scale: float | Sequence[float] = 1.0)
     `slices` from the layer it is taken from."""
     factor = scale if isinstance(scale, int | float) else scale[0]
     return tensors[0].float() if factor == 1.0 else tensors[0].float() * factor
+
+
+def nuslerp(tensors: Sequence[Tensor], weights: Weights = None, base: Tensor | None = None,
+            nuslerp_flatten: bool = True, nuslerp_row_wise: bool = False) -> Tensor:
+    """NuSLERP (mergekit's, 2024): SLERP of two models, or of their task vectors from a base
+    (θ_b + slerp(τ_1, τ_2)), at t = w_2 / (w_1 + w_2) from the models' weights (0.5 when
+    they sum to less than 1e-6). One angle for the whole tensor (`nuslerp_flatten`), else
+    one per vector along the last axis (a matrix's rows) or, with `nuslerp_row_wise`, along
+    the first (its columns). Per pair of vectors a, b: cos Ω = â · b̂, result
+    sin((1−t)Ω)/sin Ω · a + sin(tΩ)/sin Ω · b; (1−t) a + t b where 1 − cos²Ω ≤ 1e-16
+    (parallel to float32 precision). A zero vector has unit 0, so it counts as orthogonal:
+    nuslerp(0, b) = sin(tπ/2) · b, as in mergekit."""
+    origin = None if base is None else base.float()
+    a, b = (t.float() if origin is None else t.float() - origin for t in tensors)
+    w = weights_of(weights, 2, normalize=False)
+    total = w.sum().item()
+    t = 0.5 if abs(total) < 1e-6 else w[1].item() / total
+    shape = a.shape
+    if nuslerp_flatten:
+        a, b = a.reshape(1, -1), b.reshape(1, -1)  # [1, n]: one vector
+    elif nuslerp_row_wise:
+        a, b = a.transpose(0, -1), b.transpose(0, -1)  # vectors along the first axis
+    out = _slerp_last_axis(a, b, t)
+    if nuslerp_row_wise and not nuslerp_flatten:
+        out = out.transpose(0, -1)
+    out = out.reshape(shape)
+    return out if origin is None else out + origin
+
+
+def _slerp_last_axis(a: Tensor, b: Tensor, t: float) -> Tensor:
+    """SLERP of each pair of vectors along the last axis ([..., n] -> [..., n])."""
+    unit_a = a / a.norm(dim=-1, keepdim=True).clamp_min(1e-7)  # a zero vector stays 0
+    unit_b = b / b.norm(dim=-1, keepdim=True).clamp_min(1e-7)
+    cos = (unit_a * unit_b).sum(dim=-1, keepdim=True).clamp(-1, 1)  # [..., 1]
+    parallel = 1 - cos * cos <= 1e-16
+    omega = torch.acos(torch.where(parallel, 0.0, cos))  # π/2 on the linear branch: finite
+    spherical = (torch.sin((1 - t) * omega) * a + torch.sin(t * omega) * b) / torch.sin(omega)
+    return torch.where(parallel, (1 - t) * a + t * b, spherical)

@@ -277,6 +277,6 @@ def test_prints_without_output_and_refuses_an_existing_file(trio, tmp_path):
     existing = write_recipe(tmp_path / "r.yaml", "x")
     result = runner.invoke(app, ["import-mergekit", str(config), "-o", str(existing)])
     assert result.exit_code == 1 and "already exists" in result.output
-    bad = write_recipe(tmp_path / "bad.yml", "merge_method: nuslerp\nmodels: [{model: x}]\n")
+    bad = write_recipe(tmp_path / "bad.yml", "merge_method: blend\nmodels: [{model: x}]\n")
     result = runner.invoke(app, ["import-mergekit", str(bad)])
-    assert result.exit_code == 2 and "nuslerp" in result.output
+    assert result.exit_code == 2 and "blend" in result.output

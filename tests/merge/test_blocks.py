@@ -60,14 +60,15 @@ DETERMINISTIC = [
               "zero_vote": "positive", "normalize": False}),
     ("breadcrumbs", {"density": 0.8, "gamma": 0.05}), ("breadcrumbs_ties", {"density": 0.6}),
     ("dare_linear", {"density": 0.5, "rescale": "l1"}),  # L1 rescale: whole tensor
-    ("passthrough", {}),
+    ("passthrough", {}), ("nearswap", {"swap_distance": 0.02}),
+    ("ram", {"nonzero_threshold": 0.03}),
 ]
 
 
 @pytest.mark.parametrize(("method", "params"), DETERMINISTIC)
 def test_blocked_merge_is_the_whole_merge(method, params):
     base, tensors = _models()
-    tensors = tensors[:1] if method == "passthrough" else tensors
+    tensors = tensors[:get(method).max_models or 3]
     base = None if get(method).base == "ignored" else base
     whole = merge(method, base=base, tensors=tensors, block=10**9, **params)
     blocked = merge(method, base=base, tensors=tensors, block=BLOCK, **params)

@@ -56,6 +56,11 @@ PARAMETERS = {
     "karcher": {"max_iter": 3, "tol": 1e-3},
     "model_stock": {"filter_wise": True},
     "passthrough": {"scale": 0.5},
+    "nuslerp": {"nuslerp_flatten": False, "nuslerp_row_wise": True},
+    "nearswap": {"swap_distance": 0.001},
+    "arcee_fusion": {},
+    "ram": {"nonzero_threshold": 1e-4},
+    "ramplus_tl": {"r": 0.3, "alpha": 0.5, "nonzero_threshold": 1e-4},
 }
 
 
@@ -63,7 +68,7 @@ def test_every_method_and_parameter_is_in_the_schema():
     assert set(PARAMETERS) == set(METHOD_NAMES)
     for method, params in PARAMETERS.items():
         assert {p.name for p in REGISTRY[method].params} == set(params), method
-        models = ["x"] if method == "passthrough" else ["x", "y"]
+        models = ["x", "y"][:REGISTRY[method].max_models or 2]
         recipe = parse_recipe({**DENSE, "models": models, "merge": {"method": method, **params}})
         assert recipe.merge.method == method
         for name, value in params.items():  # each value arrives under its own field
@@ -111,6 +116,12 @@ def test_tunable_parameters_per_method():
     ({"method": "slerp", "t": [0.5, float("nan")]}, "merge.t: must be a finite number"),
     ({"method": "average", "overrides": [{"roles": ["attn"], "method": "della_linear",
                                           "epsilon": 0.7}]}, "density ± epsilon"),
+    # a parameter with no default (mergekit requires nearswap's t), and its range
+    ({"method": "nearswap"}, "nearswap needs swap_distance (it has no default)"),
+    ({"method": "average", "overrides": [{"roles": ["attn"], "method": "nearswap"}]},
+     "nearswap needs swap_distance"),
+    ({"method": "nearswap", "swap_distance": -0.1}, "merge.swap_distance: must be in [0, inf)"),
+    ({"method": "ramplus_tl", "alpha": -1}, "merge.alpha: must be in [0, inf)"),
 ])
 def test_parameters_are_checked_against_the_method(merge, message):
     errors = recipe_errors({**DENSE, "merge": merge})
@@ -135,6 +146,10 @@ def test_an_override_may_set_a_parameter_of_another_method_of_the_block():
      "slerp needs at least 2 models to merge, got 1"),
     ({**DENSE, "base_model": None, "merge": {"method": "della"}},
      "base_model: merge method(s) della need a base_model"),
+    ({**DENSE, "merge": {"method": "nearswap", "swap_distance": 0.1}},
+     "nearswap merges at most 1 models, got 2"),
+    ({**DENSE, "models": ["x"], "merge": {"method": "nuslerp"}},
+     "nuslerp needs at least 2 models to merge, got 1"),
 ])
 def test_method_constraints_name_the_reason(data, message):
     errors = recipe_errors(data)
@@ -163,5 +178,7 @@ def test_methods_command_lists_the_registry():
     assert result.exit_code == 0 and all(n in result.output for n in METHOD_NAMES)
     result = CliRunner().invoke(app, ["methods", "della"], terminal_width=200)
     assert result.exit_code == 0 and "epsilon" in result.output and "0.15" in result.output
+    result = CliRunner().invoke(app, ["methods", "nearswap"], terminal_width=200)
+    assert result.exit_code == 0 and "swap_distance" in result.output
     result = CliRunner().invoke(app, ["methods", "slurp"])
     assert result.exit_code == 2

@@ -318,7 +318,8 @@ base_model: base/model
 @pytest.mark.parametrize("text, message", [
     (SLICED_TIES.replace("density: 0.3", "density: [{filter: layers.2., value: 0.3}]"),
      "slices.1.sources.0.parameters.density: filter 'layers.2.' holds a digit"),
-    (LINEAR.replace("merge_method: linear", "merge_method: nuslerp"), "'nuslerp' cannot be"),
+    (LINEAR.replace("merge_method: linear", "merge_method: frankenmerge"),
+     "'frankenmerge' cannot be imported: not a merge method of mergekit 0.1.5"),
     (LINEAR.replace("psmathur/orca_mini_v3_13b", "a/b+lora/x"), "LoRA"),
     (LINEAR + "tokenizer_source: union\n", "'union' builds a new vocabulary"),
     (LINEAR + "modules: {text: {}}\n", "modules: per-module configs"),

@@ -10,7 +10,6 @@ from moemerge.recipe.mergekit.params import (
     DROPPED,
     PER_MODEL,
     PER_MODEL_DEFAULTS,
-    RENAMED,
     carry,
     chain,
     check_source_filters,
@@ -18,6 +17,7 @@ from moemerge.recipe.mergekit.params import (
     conventions,
     model_ref,
     moemerge_method,
+    moemerge_param,
     own_setting,
     read_per_model,
 )
@@ -55,7 +55,7 @@ def convert_yaml(data: dict, notes: list[str]) -> dict:
     merge: dict = {"method": method}
     shared: dict = {}  # the global settings of per-model parameters (weight, density, ...)
     for name, value in (data.get("parameters") or {}).items():
-        name, where = RENAMED.get(name, name), f"parameters.{name}"
+        name, where = moemerge_param(method, name), f"parameters.{name}"
         if name in DROPPED:
             notes.append(f"{where}: not carried: {DROPPED[name]}")
         elif name == "eps" and method == "multislerp":

@@ -11,17 +11,17 @@ from moemerge.merge.registry import REGISTRY, per_model_params
 METHODS = {"linear": "average"} | {
     m: m for m in ("task_arithmetic", "ties", "dare_ties", "dare_linear", "breadcrumbs",
                    "breadcrumbs_ties", "della", "della_linear", "sce", "slerp", "multislerp",
-                   "karcher", "model_stock", "passthrough")}
-UNSUPPORTED_METHODS = {
-    "nuslerp": "moemerge has slerp (two models) and multislerp, not nuslerp's row-wise variant",
-    "nearswap": "not implemented in moemerge",
-    "arcee_fusion": "not implemented in moemerge",
-    "ram": "not implemented in moemerge", "ramplus_tl": "not implemented in moemerge",
-}
+                   "karcher", "model_stock", "passthrough", "nuslerp", "nearswap",
+                   "arcee_fusion", "ram", "ramplus_tl")}
 # mergekit's `normalize` default where it differs from moemerge's (true everywhere)
 MERGEKIT_NORMALIZE = {"task_arithmetic": False, "dare_linear": False, "dare_ties": False,
                       "breadcrumbs": False, "breadcrumbs_ties": False, "della_linear": False}
 RENAMED = {"normalize_weights": "normalize"}  # mergekit name -> moemerge name
+# per method, where moemerge's name of the parameter differs (the mergekit name means another
+# thing in another moemerge method: slerp's t, DELLA's per-model epsilon)
+METHOD_RENAMED = {"nearswap": {"t": "swap_distance"},
+                  "ram": {"epsilon": "nonzero_threshold"},
+                  "ramplus_tl": {"epsilon": "nonzero_threshold"}}
 DROPPED = {"int8_mask": "a memory option of mergekit (moemerge computes in float32)"}
 # mergekit's defaults of its per-model parameters where moemerge's differ (density 0.7 or 0.9;
 # gamma and epsilon are written with them); passthrough's scale defaults to 1 in both
@@ -42,8 +42,13 @@ def read_per_model(method: str) -> tuple[str, ...]:
 def moemerge_method(name: str) -> str:
     if name in METHODS:
         return METHODS[name]
-    why = UNSUPPORTED_METHODS.get(name, "unknown merge method")
-    raise RecipeError(f"merge_method: {name!r} cannot be imported: {why}")
+    raise RecipeError(f"merge_method: {name!r} cannot be imported: not a merge method of "
+                      "mergekit 0.1.5 that moemerge knows")
+
+
+def moemerge_param(method: str, name: str) -> str:
+    """moemerge's name of mergekit's global parameter `name` of `method`."""
+    return METHOD_RENAMED.get(method, {}).get(name, RENAMED.get(name, name))
 
 
 def conventions(method: str, given: dict) -> dict:
