@@ -93,10 +93,10 @@ def _model_as_stored(path: Path):
     return load_pretrained("AutoModelForCausalLM", path, dtype="auto").eval()
 
 
-def calibrated_routers(recipe, plan: Plan, built: Path, cal: Calibration
-                       ) -> dict[str, torch.Tensor]:
+def calibrated_routers(recipe, plan: Plan, built: Path, cal: Calibration,
+                       stats: dict | None = None) -> dict[str, torch.Tensor]:
     """{output tensor name: router} fitted on the model built at `built` (its routers are
-    placeholders)."""
+    placeholders). token_routed: `stats` receives each layer's fit statistics."""
     model = _model_as_stored(built)
     assembly = getattr(recipe, "assembly", "token_routed")
     if assembly in ("seq_routed", "bridged"):
@@ -104,6 +104,6 @@ def calibrated_routers(recipe, plan: Plan, built: Path, cal: Calibration
     elif assembly == "merged_experts":
         by_layer = calibrate_merged_routers(model, cal)
     else:
-        by_layer = calibrate_token_routers(model, cal)
+        by_layer = calibrate_token_routers(model, cal, stats)
     return {job.output: by_layer[job.layer] for job in plan.jobs
             if job.role == "router" and job.layer in by_layer}
