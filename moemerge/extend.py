@@ -35,7 +35,7 @@ from moemerge.io.reader import CheckpointReader, read_config
 from moemerge.io.writer import ShardedWriter, overwrite_tensors, parse_size
 from moemerge.routing.refit import refit_token_routers
 from moemerge.routing.statistics import STATS_FILE, STATS_NOTE, load_statistics, save_statistics
-from moemerge.train.calibration import _model_as_stored, calibration_set, calibration_texts
+from moemerge.train.calibration import calibration_set, calibration_texts, model_as_stored
 
 __all__ = ["Extended", "extend_moe"]
 
@@ -91,7 +91,7 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
             copy_side_files(moe, tmp, SIDE_FILES)
             (tmp / RECIPE_COPY).write_text(recipe_text)
             (tmp / "README.md").write_text(_card(moe, old, new))
-            routers, summed = refit_token_routers(_model_as_stored(tmp), cal, stored, windows)
+            routers, summed = refit_token_routers(model_as_stored(tmp), cal, stored, windows)
             overwrite_tensors(tmp, {layout.router_name(layer): router
                                     for layer, router in routers.items()})
             save_statistics(tmp / STATS_FILE, summed, windows + cal.ids.shape[0])
