@@ -47,6 +47,7 @@ from moemerge.recipe.models import MergeRecipe, MoERecipe
 from moemerge.recipe.sequence import BridgedRecipe, SeqRoutedRecipe
 from moemerge.recipe.upcycle import UpcycleRecipe
 from moemerge.report import human_bytes
+from moemerge.routing.statistics import keep_statistics
 from moemerge.train.calibration import (
     calibrated_routers,
     calibrates,
@@ -291,10 +292,13 @@ def build(
             write(tmp, recipe, plan, recipe_text)
             if calibration is not None:  # fitted on the model just written (routers: placeholders)
                 with stage("calibrating the routers") as found:
-                    routers = calibrated_routers(recipe, plan, tmp, calibration)
+                    stats: dict = {}
+                    routers = calibrated_routers(recipe, plan, tmp, calibration, stats)
                     for name, router in routers.items():
                         check_finite(name, router)
                     overwrite_tensors(tmp, routers)
+                    if stats:  # what `moemerge extend` refits the routers from
+                        keep_statistics(tmp, stats, calibration.ids.shape[0])
                     found(f"{len(routers)} routers")
             full = verify == "full" or (verify == "auto" and plan.total_bytes <= FULL_LOAD_LIMIT)
             if full:

@@ -8,6 +8,7 @@ from moemerge.cli import (  # noqa: F401
     build,
     demo,
     export,
+    extend,
     extract,
     finetune,
     import_mergekit,

@@ -56,7 +56,7 @@ class _Stop(Exception):
 
 
 @torch.no_grad()
-def _capture(model, ids: torch.Tensor, module, stop) -> tuple[torch.Tensor, torch.Tensor]:
+def capture_rows(model, ids: torch.Tensor, module, stop) -> tuple[torch.Tensor, torch.Tensor]:
     """Every input row `module` sees on the windows ids [W, S+1], each forward cut short after
     `stop` ran: (rows [R, H] fp32, window index of each row [R]). A call's input [B, ..., H]
     (or its batch-major flattening [B·m, H]) holds m rows per window."""
@@ -108,19 +108,32 @@ def token_gates(model, num_experts: int) -> list[torch.nn.Module]:
     return [router for _, router in found]
 
 
-def calibrate_token_routers(model, cal: Calibration) -> dict[int, torch.Tensor]:
+def calibrate_token_routers(model, cal: Calibration, stats: dict | None = None
+                            ) -> dict[int, torch.Tensor]:
     """{layer: router [E, H]} of a token-routed MoE; each is written into the model before the
-    next layer's inputs are captured."""
+    next layer's inputs are captured. `stats`, when given, receives each layer's
+    LayerStatistics (routing/statistics.py: what `moemerge extend` refits from)."""
+    from moemerge.routing.statistics import layer_statistics
+
     num_experts = cal.targets.shape[-1]
     routers = {}
     for layer, gate in enumerate(token_gates(model, num_experts)):
-        x, window = _capture(model, cal.ids, gate, gate)
-        if x.shape[0] != cal.targets.shape[0] * cal.targets.shape[1]:
-            raise ValueError(f"layer {layer}: the router saw {x.shape[0]} rows, expected one "
-                             "per calibration token")
-        routers[layer] = _solve(x, cal.targets.reshape(-1, num_experts), window, cal.confidence)
+        x, window = token_rows(model, cal, gate, layer)
+        y = cal.targets.reshape(-1, num_experts)
+        routers[layer] = _solve(x, y, window, cal.confidence)
+        if stats is not None:
+            stats[layer] = layer_statistics(x, y, held_out_windows(window))
         gate.weight.data.copy_(routers[layer])
     return routers
+
+
+def token_rows(model, cal: Calibration, gate, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [R, H], window [R]) layer `layer`'s router `gate` sees: one per calibration token."""
+    x, window = capture_rows(model, cal.ids, gate, gate)
+    if x.shape[0] != cal.targets.shape[0] * cal.targets.shape[1]:
+        raise ValueError(f"layer {layer}: the router saw {x.shape[0]} rows, expected one "
+                         "per calibration token")
+    return x, window
 
 
 def calibrate_merged_routers(model, cal: Calibration) -> dict[int, torch.Tensor]:
@@ -130,7 +143,7 @@ def calibrate_merged_routers(model, cal: Calibration) -> dict[int, torch.Tensor]
     per_window = cal.targets.mean(dim=1)  # [W, E]
     routers = {}
     for layer, mlp in enumerate(model.mlps()):
-        x, window = _capture(model, cal.ids, mlp.router, mlp)
+        x, window = capture_rows(model, cal.ids, mlp.router, mlp)
         routers[layer] = _solve(x, per_window[window], window, cal.confidence)
         mlp.router.weight.data.copy_(routers[layer])
     return routers

@@ -70,10 +70,19 @@ def fit_router(x: torch.Tensor, y: torch.Tensor, held_out: torch.Tensor
     rows, times trace(XᵀX)/H; the returned W is refitted on every row with it."""
     y = centre(y.double())
     fit = normal_equations(x[~held_out], y[~held_out])
-    everything = fit
-    relative = 1e-3  # too few rows to hold any out: a light default
+    test = None
     if bool(held_out.any()) and bool((~held_out).any()):
         test = normal_equations(x[held_out], y[held_out])
+    return solve_equations(fit, test)
+
+
+def solve_equations(fit: NormalEquations, test: NormalEquations | None
+                    ) -> tuple[torch.Tensor, float]:
+    """fit_router from the normal equations of the fitted rows and (None: none held out) of
+    the held-out ones, centred targets: (W [E, H] float64, λ)."""
+    everything = fit
+    relative = 1e-3  # too few rows to hold any out: a light default
+    if test is not None:
         scale = _trace_scale(fit)
         errors = [squared_error(test, ridge_solution(fit, r * scale)) for r in RELATIVE_LAMBDAS]
         relative = RELATIVE_LAMBDAS[min(range(len(errors)), key=errors.__getitem__)]
@@ -86,17 +95,22 @@ def _trace_scale(eq: NormalEquations) -> float:
     return max(float(eq.gram.diagonal().mean()), 1e-12)
 
 
-def decisive_scale(logits: torch.Tensor, confidence: float, iterations: int = 60) -> float:
+def decisive_scale(logits: torch.Tensor, confidence: float, iterations: int = 60,
+                   weights: torch.Tensor | None = None) -> float:
     """c > 0 such that softmax(c · logits) has mean largest probability `confidence` over the
     rows of logits [N, E] (that mean grows with c, so bisect log c). Too small a c leaves
     routing near uniform (top-k weights equal, the choice barely matters); too large saturates
-    it (one-hot weights, no gradient for a later fine-tune)."""
+    it (one-hot weights, no gradient for a later fine-tune). `weights` [N]: how many rows
+    each row stands for (a sample of rows: `moemerge extend`); None: one each."""
     z = logits.double()
     if z.shape[-1] < 2 or float((z - z.mean(-1, keepdim=True)).abs().max()) == 0.0:
         return 1.0  # nothing to scale: one expert, or logits that do not tell rows apart
 
     def top1(c: float) -> float:
-        return float(torch.softmax(c * z, dim=-1).amax(dim=-1).mean())
+        best = torch.softmax(c * z, dim=-1).amax(dim=-1)
+        if weights is None:
+            return float(best.mean())
+        return float((best * weights).sum() / weights.sum())
 
     low, high = -12.0, 12.0  # log c
     for _ in range(iterations):

@@ -73,7 +73,7 @@ def calibration_set(spec: CalibrationSpec, texts: dict[str, list[str]], tokenize
                 "or give one mixed text (targets: loss)")
         return Calibration(ids, domain_targets(domain, [labels.index(d) for d in blocks.domains],
                                                len(labels), spec.seq_len), spec.confidence)
-    nll = torch.stack([token_nll(_model_as_stored(m.path), ids) for m in experts])  # [E, W, S]
+    nll = torch.stack([token_nll(model_as_stored(m.path), ids) for m in experts])  # [E, W, S]
     return Calibration(ids, loss_targets(nll), spec.confidence)
 
 
@@ -85,7 +85,7 @@ def _spread(index: torch.Tensor, count: int) -> torch.Tensor:
     return index[torch.linspace(0, len(index) - 1, count).round().long()]
 
 
-def _model_as_stored(path: Path):
+def model_as_stored(path: Path):
     """The model in its checkpoint's dtype: a router is fitted on the inputs the model computes
     as it will run (a bf16 build in bf16), and a bf16 build is not doubled in memory (loaded
     in fp32, a 1.4 GB model's calibration peaked at 5.1 GB; in bf16 at 2.7 GB:
@@ -93,17 +93,17 @@ def _model_as_stored(path: Path):
     return load_pretrained("AutoModelForCausalLM", path, dtype="auto").eval()
 
 
-def calibrated_routers(recipe, plan: Plan, built: Path, cal: Calibration
-                       ) -> dict[str, torch.Tensor]:
+def calibrated_routers(recipe, plan: Plan, built: Path, cal: Calibration,
+                       stats: dict | None = None) -> dict[str, torch.Tensor]:
     """{output tensor name: router} fitted on the model built at `built` (its routers are
-    placeholders)."""
-    model = _model_as_stored(built)
+    placeholders). token_routed: `stats` receives each layer's fit statistics."""
+    model = model_as_stored(built)
     assembly = getattr(recipe, "assembly", "token_routed")
     if assembly in ("seq_routed", "bridged"):
         by_layer = {None: calibrate_sequence_router(model, cal)}
     elif assembly == "merged_experts":
         by_layer = calibrate_merged_routers(model, cal)
     else:
-        by_layer = calibrate_token_routers(model, cal)
+        by_layer = calibrate_token_routers(model, cal, stats)
     return {job.output: by_layer[job.layer] for job in plan.jobs
             if job.role == "router" and job.layer in by_layer}

@@ -1,0 +1,82 @@
+"""The recipe copy of an MoE being extended: what it allows, and the copy the output gets.
+
+The output's copy is the old recipe with each new expert appended to `experts` and its text to
+`calibration.data`, so `moemerge build` of it makes the extended model from scratch. With
+--keep-shared, where the merge depends on the expert set, a new expert gets `weight: 0`: it
+takes no part in the non-FFN merge (or a shared `average` expert), which then stays as built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from moemerge.errors import CheckpointError, RecipeError
+from moemerge.io.atomic import RECIPE_COPY
+from moemerge.loading import read_recipe_copy
+from moemerge.recipe.load import parse_recipe
+from moemerge.recipe.models import MoERecipe
+
+REBUILD = "rebuild it with `router.init: calibrate` (a `calibration` block, one text per expert)"
+
+
+@dataclass
+class NewExpert:
+    name: str
+    path: Path  # the dense model, absolute
+    text: str  # its calibration text (a path, absolute)
+
+
+def built_recipe(moe: Path) -> tuple[dict, MoERecipe]:
+    """(the recipe copy as a mapping, parsed); refuses what extend cannot grow."""
+    data = read_recipe_copy(moe)
+    if not data:
+        raise CheckpointError(f"{moe}: no {RECIPE_COPY}: not a model `moemerge build` made, so "
+                              f"its experts and routers are unknown; {REBUILD}")
+    recipe = parse_recipe(data, str(moe / RECIPE_COPY))
+    if not isinstance(recipe, MoERecipe):
+        kind = f"{recipe.kind} ({getattr(recipe, 'assembly', '')})".replace(" ()", "")
+        raise RecipeError(f"{moe}: extend grows a token_routed kind: moe; this one is {kind}")
+    if recipe.router.init != "calibrate" or recipe.calibration is None:
+        raise RecipeError(f"{moe}: its routers were not calibrated (router.init: "
+                          f"{recipe.router.init}), so no statistics were kept; {REBUILD}")
+    if recipe.include_base_expert:
+        raise RecipeError(f"{moe}: built with include_base_expert (the base is the last "
+                          "expert); extend appends experts after the others and does not take it")
+    if recipe.calibration.targets == "loss":
+        raise loss_targets_error(moe)
+    return data, recipe
+
+
+def loss_targets_error(moe: Path) -> RecipeError:
+    return RecipeError(f"{moe}: calibrated on one mixed text (loss targets); an old row's "
+                       "target for a new expert would need that expert's losses on the old "
+                       f"text; {REBUILD}, naming each text after its expert (name=path)")
+
+
+def depends_on_experts(recipe: MoERecipe) -> list[str]:
+    """What, among the shared (non-FFN) tensors, a new expert would change: every merge
+    method but `base` (which copies the base) reads each expert, and so does an `average`
+    shared expert."""
+    methods = {recipe.merge.method, *(o.method for o in recipe.merge.overrides if o.method)}
+    found = [f"merge method {m}" for m in sorted(methods - {"base"})]
+    return found + (["shared_expert: average"] if recipe.shared_expert == "average" else [])
+
+
+def extended_recipe_text(data: dict, new: list[NewExpert], keep_shared: bool) -> str:
+    """The recipe copy for the output (YAML; the old copy's comments are not kept)."""
+    data = dict(data)
+    experts = list(data["experts"])
+    for e in new:
+        entry: dict = {"model": str(e.path), "name": e.name}
+        if keep_shared:
+            entry["weight"] = 0
+        experts.append(entry)
+    calibration = dict(data["calibration"])
+    old = calibration["data"]
+    calibration["data"] = [*([old] if isinstance(old, str) else old),
+                           *(f"{e.name}={e.text}" for e in new)]
+    data.update(experts=experts, calibration=calibration)
+    return yaml.safe_dump(data, sort_keys=False)

@@ -1,0 +1,55 @@
+"""`moemerge extend`: new experts joined to a token-routed MoE moemerge built, no rebuild."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from moemerge.cli.app import app, out, reports_errors
+
+
+@app.command()
+@reports_errors
+def extend(
+    model: Annotated[Path, typer.Argument(help="A token_routed MoE built by `moemerge build` "
+                                          "with router.init: calibrate.", show_default=False)],
+    output: Annotated[Path, typer.Argument(help="Where the extended MoE goes.",
+                                           show_default=False)],
+    expert: Annotated[list[Path], typer.Option(
+        "--expert", help="A dense model fine-tuned from the MoE's base (repeat for several); "
+        "its FFN joins every layer as a new expert.", show_default=False)],
+    name: Annotated[list[str] | None, typer.Option(
+        "--name", help="The new expert's name, one per --expert in order (default: its "
+        "directory's name).", show_default=False)] = None,
+    calibration: Annotated[list[str] | None, typer.Option(
+        "--calibration", help="The new expert's calibration text, NAME=PATH (or a bare PATH "
+        "per --expert in order), in the forms `finetune --data` reads. Only this text runs "
+        "through the model.", show_default=False)] = None,
+    keep_shared: Annotated[bool, typer.Option(
+        "--keep-shared", help="Keep the shared attention, norms, embedding and head as built "
+        "(the old experts compute as before); needed when the recipe's merge reads every "
+        "expert (any method but `base`).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
+) -> None:
+    """Add experts to a token-routed MoE without rebuilding it.
+
+    The MoE's tensors are copied and each new expert's FFN is added in every layer
+    (config.json's expert count grows). Every router is refitted in closed form from the
+    ridge statistics the build kept (router_stats.safetensors, written by `router.init:
+    calibrate`) plus the new experts' calibration text: the old calibration text is not read
+    again. OUTPUT gets a recipe copy with the new experts appended, which `moemerge build`
+    rebuilds from scratch (docs/extend.md)."""
+    from moemerge.extend import extend_moe
+    from moemerge.io.atomic import sweep_output
+    from moemerge.io.outputs import check_output, local_inputs
+
+    sweep_output(output)  # what a killed extend left, even if this one fails
+    inputs = [("the input model", model), *local_inputs("an --expert model", expert),
+              *local_inputs("a --calibration text", calibration or [])]
+    check_output(output, inputs, force=force, directory=True)
+    done = extend_moe(model, output, expert, names=name, calibration=calibration,
+                      keep_shared=keep_shared, force=force)
+    out.print(f"[green]extended[/] {model} to {output}: experts {', '.join(done.experts)}; "
+              f"{done.tensors} tensors, {done.bytes / 2**20:.1f} MiB")

@@ -1,0 +1,163 @@
+"""`moemerge extend`: new experts joined to a token-routed MoE that `moemerge build` calibrated,
+without rebuilding it (docs/extend.md).
+
+The MoE's tensors are copied with the new experts' FFNs added in every layer; the routers are
+refitted from the ridge statistics the build kept (routing/statistics.py) plus the new
+experts' calibration text, the only text that runs through the model. The output is written
+under the output rule (atomic, --force) with a recipe copy that rebuilds it from scratch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+from moemerge.analysis.routing import expert_labels
+from moemerge.assemble.extend.recipe import (
+    REBUILD,
+    NewExpert,
+    built_recipe,
+    depends_on_experts,
+    extended_recipe_text,
+    loss_targets_error,
+)
+from moemerge.assemble.extend.tensors import check_expert, extended_tensors
+from moemerge.assemble.extract.token_routed import token_layout
+from moemerge.assemble.verify import FULL_LOAD_LIMIT, check_loads
+from moemerge.errors import CheckpointError, RecipeError
+from moemerge.eval.perplexity import load_tokenizer
+from moemerge.io.atomic import RECIPE_COPY, SIDE_FILES, atomic_output_dir, copy_side_files
+from moemerge.io.reader import CheckpointReader, read_config
+from moemerge.io.writer import ShardedWriter, overwrite_tensors, parse_size
+from moemerge.routing.refit import refit_token_routers
+from moemerge.routing.statistics import STATS_FILE, STATS_NOTE, load_statistics, save_statistics
+from moemerge.train.calibration import calibration_set, calibration_texts, model_as_stored
+
+__all__ = ["Extended", "extend_moe"]
+
+
+@dataclass
+class Extended:
+    experts: list[str]  # every expert's name, the new ones last
+    tensors: int
+    bytes: int
+
+
+def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | None = None,
+               calibration: list[str] | None = None, keep_shared: bool = False,
+               force: bool = False, verify: bool = True) -> Extended:
+    """Write `moe` grown by `experts` (dense models fine-tuned from its base) to `out`."""
+    moe, out = Path(moe), Path(out)
+    config = read_config(moe)
+    layout = token_layout(config)
+    if layout is None:
+        raise CheckpointError(f"{moe}: model_type {config.get('model_type')!r}: extend grows a "
+                              "token_routed MoE (Mixtral, Qwen2-MoE, Qwen3-MoE, FlexOlmo, "
+                              "GraniteMoE); seq_routed and merged_experts are not supported")
+    data, recipe = built_recipe(moe)
+    stored, windows = _stored_statistics(moe, config, layout.num_experts_key)
+    changing = depends_on_experts(recipe)
+    if changing and not keep_shared:
+        raise RecipeError(
+            f"{moe}: its shared tensors depend on the expert set ({', '.join(changing)}); "
+            "extend does not re-merge them: pass --keep-shared (they stay as built and the new "
+            "experts join the recipe copy with weight 0, so it rebuilds the same model), or "
+            "add the experts to the recipe and rebuild")
+    old = expert_labels(moe, int(config[layout.num_experts_key]))
+    new = _new_experts(experts, names, calibration, old)
+    spec = recipe.calibration.model_copy(update={"data": [f"{e.name}={e.text}" for e in new]})
+    texts = calibration_texts(spec, Path.cwd())
+    labels = [SimpleNamespace(label=name) for name in [*old, *(e.name for e in new)]]
+    cal = calibration_set(spec, texts, load_tokenizer(moe), labels)
+    recipe_text = extended_recipe_text(data, new, keep_shared) + STATS_NOTE
+    grown = dict(config, **{layout.num_experts_key: len(labels)})
+    with CheckpointReader(moe) as reader, ExitStack() as stack:
+        readers = [stack.enter_context(CheckpointReader(e.path)) for e in new]
+        for e, r in zip(new, readers, strict=True):
+            check_expert(reader, layout, config, r, f"--expert {e.path}")
+        tensors = extended_tensors(reader, layout, config, readers)
+        size = sum(t.dtype.itemsize * math.prod(t.shape) for t in tensors)
+        with atomic_output_dir(out, force=force, size=size) as tmp:
+            planned = [(t.name, t.dtype, t.shape) for t in tensors]
+            with ShardedWriter(tmp, planned, max_shard_bytes=parse_size(
+                    recipe.output.max_shard_size)) as writer:
+                for t in tensors:
+                    writer.write(t.name, t.make().to(t.dtype).contiguous())
+            (tmp / "config.json").write_text(json.dumps(grown, indent=2) + "\n")
+            copy_side_files(moe, tmp, SIDE_FILES)
+            (tmp / RECIPE_COPY).write_text(recipe_text)
+            (tmp / "README.md").write_text(_card(moe, old, new))
+            routers, summed = refit_token_routers(model_as_stored(tmp), cal, stored, windows)
+            overwrite_tensors(tmp, {layout.router_name(layer): router
+                                    for layer, router in routers.items()})
+            save_statistics(tmp / STATS_FILE, summed, windows + cal.ids.shape[0])
+            if verify and size <= FULL_LOAD_LIMIT:
+                check_loads(tmp)
+    return Extended([label.label for label in labels], len(tensors), size)
+
+
+def _stored_statistics(moe: Path, config: dict, count_key: str):
+    file = moe / STATS_FILE
+    if not file.is_file():
+        raise CheckpointError(f"{moe}: no {STATS_FILE}: built without the router statistics "
+                              f"extend refits from (before moemerge kept them, or with another "
+                              f"router init); {REBUILD}")
+    try:
+        stored, windows = load_statistics(file)
+    except (ValueError, KeyError, OSError) as exc:
+        raise CheckpointError(f"{file}: unreadable router statistics ({exc}); {REBUILD}"
+                              ) from None
+    experts, layers = int(config[count_key]), int(config["num_hidden_layers"])
+    if sorted(stored) != list(range(layers)) or any(s.experts != experts
+                                                    for s in stored.values()):
+        raise CheckpointError(f"{file}: statistics for {len(stored)} layers and "
+                              f"{stored[0].experts if stored else 0} experts, the model has "
+                              f"{layers} and {experts}; {REBUILD}")
+    targets = stored[0].fit.targets
+    if bool((targets - targets.diag().diag()).abs().max() > 0):  # YᵀY of one-hot is diagonal
+        raise loss_targets_error(moe)
+    return stored, windows
+
+
+def _new_experts(paths: list[Path], names: list[str] | None, texts: list[str] | None,
+                 old: list[str]) -> list[NewExpert]:
+    """Each --expert with its name (--name, else its directory's) and its calibration text
+    (--calibration: `name=path`, or one bare path per expert in order)."""
+    if not paths:
+        raise RecipeError("give at least one --expert PATH")
+    names = list(names or [Path(p).resolve().name for p in paths])
+    if len(names) != len(paths):
+        raise RecipeError(f"--name: {len(names)} names for {len(paths)} --expert models")
+    taken = [n for n in names if n in old or names.count(n) > 1]
+    if taken:
+        raise RecipeError(f"--name: {', '.join(sorted(set(taken)))} already names an expert "
+                          f"(experts: {', '.join(old)}); give each new expert a new --name")
+    given = list(texts or [])
+    named = dict(t.split("=", 1) for t in given if "=" in t)
+    bare = [t for t in given if "=" not in t]
+    if bare and len(bare) != len(paths):
+        raise RecipeError(f"--calibration: {len(bare)} texts without a name for {len(paths)} "
+                          "experts; give NAME=PATH for each")
+    by_name = named | dict(zip(names, bare, strict=False))
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise RecipeError(f"--calibration: no text for {', '.join(missing)}: the routers are "
+                          "refitted on each new expert's own text (--calibration NAME=PATH)")
+    for path in paths:
+        if not Path(path).is_dir():
+            raise CheckpointError(f"--expert {path}: no such model directory")
+    return [NewExpert(n, Path(p).resolve(), str(Path(by_name[n]).resolve()))
+            for n, p in zip(names, paths, strict=True)]
+
+
+def _card(moe: Path, old: list[str], new: list[NewExpert]) -> str:
+    return (f"# `{moe.name}` extended by {', '.join(e.name for e in new)}\n\n"
+            f"Written by `moemerge extend` from the token-routed MoE `{moe}` (experts "
+            f"{', '.join(old)}): the same shared tensors and experts, the new experts' FFNs "
+            "added in every layer, every router refitted from the build's ridge statistics "
+            f"and the new experts' calibration text. `{RECIPE_COPY}` rebuilds it from scratch "
+            "with `moemerge build` (docs/extend.md).\n")
