@@ -14,6 +14,7 @@ from moemerge.cli import (  # noqa: F401
     inspect,
     methods,
     route,
+    shrink,
 )
 from moemerge.cli.app import app
 

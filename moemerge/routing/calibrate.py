@@ -10,6 +10,7 @@ and only one layer's inputs [rows, H] are held at a time. Sequence routers read 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -108,19 +109,32 @@ def token_gates(model, num_experts: int) -> list[torch.nn.Module]:
     return [router for _, router in found]
 
 
-def calibrate_token_routers(model, cal: Calibration) -> dict[int, torch.Tensor]:
-    """{layer: router [E, H]} of a token-routed MoE; each is written into the model before the
-    next layer's inputs are captured."""
-    num_experts = cal.targets.shape[-1]
+RouterFit = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def fit_token_routers(model, ids: torch.Tensor, gates: list[tuple[int, torch.nn.Module]],
+                      fit: RouterFit) -> dict[int, torch.Tensor]:
+    """{layer: router [E, H]}: each gate in layer order set to fit(layer, rows [R, H], window
+    of each row [R]) on its inputs over the windows ids [W, S+1] (R = W·S), and written into
+    the model before the next layer's inputs are captured."""
     routers = {}
-    for layer, gate in enumerate(token_gates(model, num_experts)):
-        x, window = _capture(model, cal.ids, gate, gate)
-        if x.shape[0] != cal.targets.shape[0] * cal.targets.shape[1]:
+    for layer, gate in gates:
+        x, window = _capture(model, ids, gate, gate)
+        if x.shape[0] != ids.shape[0] * (ids.shape[1] - 1):
             raise ValueError(f"layer {layer}: the router saw {x.shape[0]} rows, expected one "
                              "per calibration token")
-        routers[layer] = _solve(x, cal.targets.reshape(-1, num_experts), window, cal.confidence)
+        routers[layer] = fit(layer, x, window)
         gate.weight.data.copy_(routers[layer])
     return routers
+
+
+def calibrate_token_routers(model, cal: Calibration) -> dict[int, torch.Tensor]:
+    """{layer: router [E, H]} of a token-routed MoE (every layer's targets the same)."""
+    num_experts = cal.targets.shape[-1]
+    targets = cal.targets.reshape(-1, num_experts)
+    return fit_token_routers(
+        model, cal.ids, list(enumerate(token_gates(model, num_experts))),
+        lambda _layer, x, window: _solve(x, targets, window, cal.confidence))
 
 
 def calibrate_merged_routers(model, cal: Calibration) -> dict[int, torch.Tensor]:
