@@ -34,8 +34,8 @@ def shrink(
         "average each group's weights, weighted by saliency.")] = "prune",
     saliency: Annotated[str, typer.Option(
         "--saliency", help="reap: mean over the tokens routed to an expert of gate weight "
-        "times the norm of its output (REAP, Lasby et al. 2025). frequency: its share of the "
-        "top-k slots.")] = "reap",
+        "times the norm of the vector the expert computes (REAP, Lasby et al. 2025). "
+        "frequency: its share of the top-k slots.")] = "reap",
     no_repair: Annotated[bool, typer.Option(
         "--no-repair", help="Keep the kept (or frequency-averaged) router rows instead of "
         "refitting each router to the original model's routing.")] = False,

@@ -60,6 +60,8 @@ READERS = {
     "finetune": ("moe", ["finetune", "moe", "out", "--data", "text.txt", "-q", "--steps", "1"]),
     "export": ("moe", ["export", "moe", "out"]),
     "extract": ("moe", ["extract", "moe", "out", "--expert", "0"]),
+    "shrink": ("moe", ["shrink", "moe", "out", "--experts", "1", "--calibration", "text.txt",
+                       "--seq-len", "16"]),
     "route": ("seq", ["route", "seq", "text.txt"]),
     "inspect task-vectors": ("dense", ["inspect", "task-vectors", "dense", "moe2", "-q"]),
     "inspect routing": ("moe", ["inspect", "routing", "moe", "--data", "code=text.txt"]),

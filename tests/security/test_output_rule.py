@@ -23,6 +23,7 @@ OUTPUTS = {
     ("finetune", "output"): "dir",
     ("export", "output"): "dir",
     ("extract", "output"): "dir",
+    ("shrink", "output"): "dir",
     ("toy", "directory"): "dir",
     ("demo", "workdir"): "dir",
     ("import-mergekit", "output"): "file",
@@ -40,6 +41,7 @@ NOT_OUTPUTS = {
     ("build", "gguf"),  # a type (f16, ...): the GGUF goes inside OUTPUT, under its rule
     ("validate", "recipes"), ("toy", "preset"), ("demo", "preset"), ("export", "model"),
     ("extract", "model"), ("extract", "expert"), ("extract", "weights"),
+    ("shrink", "model"), ("shrink", "calibration"), ("shrink", "method"), ("shrink", "saliency"),
     ("finetune", "model"), ("finetune", "config"), ("finetune", "data"), ("finetune", "train"),
     ("finetune", "text_field"), ("finetune", "label_field"), ("finetune", "schedule"),
     ("finetune", "device"), ("finetune", "autocast"), ("import-mergekit", "config"),
@@ -120,6 +122,9 @@ def invocation(key, w, target):
         return ["export", w["moe"], target], w["moe"] / "config.json"
     if command == "extract":
         return ["extract", w["moe"], target, "--expert", "0"], w["moe"] / "config.json"
+    if command == "shrink":
+        return (["shrink", w["moe"], target, "--experts", "1", "--calibration", w["text"],
+                 "--seq-len", "16", "-q"], w["moe"] / "config.json")
     if command == "toy":
         return ["toy", target], None
     if command == "demo":
