@@ -166,7 +166,7 @@ def test_pruning_one_expert_removes_the_least_salient(model_factory, tmp_path, c
 
 
 @pytest.mark.parametrize("family,shared", [("llama", "none"), ("qwen2", "base"),
-                                           ("qwen3", "none")])
+                                           ("qwen3", "none"), ("granite", "none")])
 @pytest.mark.parametrize("method", ["prune", "merge"])
 def test_shrunk_moe_loads_and_generates(family, shared, method, model_factory, tmp_path, calib):
     moe = make_moe(tmp_path, model_factory(family), shared=shared)
