@@ -45,9 +45,11 @@ from moemerge.recipe.load import AnyRecipe, load_recipe, parse_recipe
 from moemerge.recipe.merged import MergedExpertsRecipe
 from moemerge.recipe.models import MergeRecipe, MoERecipe
 from moemerge.recipe.sequence import BridgedRecipe, SeqRoutedRecipe
+from moemerge.recipe.shrink import ShrinkRecipe
 from moemerge.recipe.upcycle import UpcycleRecipe
 from moemerge.report import human_bytes
 from moemerge.routing.statistics import keep_statistics
+from moemerge.shrink import Shrunk, shrink
 from moemerge.train.calibration import (
     calibrated_routers,
     calibrates,
@@ -79,6 +81,7 @@ class BuildResult:
     verified: str  # "full", "structure" or "none"
     tuning: TuneResult | None = None  # with tune=...: every candidate and the chosen values
     estimate: Estimate | None = None  # peak memory and output size, known before any data
+    shrunk: Shrunk | None = None  # kind: shrink: what was kept (its plan has no jobs)
 
 
 def _labelled_refs(recipe: AnyRecipe) -> list[tuple[str, object]]:
@@ -87,7 +90,8 @@ def _labelled_refs(recipe: AnyRecipe) -> list[tuple[str, object]]:
         refs.append(("base", recipe.base_model))
     if getattr(recipe, "reference", None) is not None:
         refs.append(("reference", recipe.reference))
-    inputs = recipe.inputs if isinstance(recipe, MergeRecipe | UpcycleRecipe) else recipe.experts
+    inputs = recipe.inputs if isinstance(recipe, MergeRecipe | UpcycleRecipe | ShrinkRecipe) \
+        else recipe.experts
     for ref in inputs:
         label = getattr(ref, "name", None) or Path(ref.model.rstrip("/")).name
         taken = {lab for lab, _ in refs}
@@ -177,6 +181,9 @@ def build(
         check_output(out, _local_inputs(recipe, recipe_path, tune), force=force,
                      directory=True,
                      contained=[("the recipe's directory", recipe_path.absolute().parent)])
+    if isinstance(recipe, ShrinkRecipe):
+        return _build_shrink(recipe, recipe_path, out, force=force, dry_run=dry_run,
+                             tune=tune, verify=verify, progress=progress)
     try:
         max_shard = parse_size(recipe.output.max_shard_size)
     except ValueError as exc:
@@ -307,10 +314,24 @@ def build(
         return BuildResult(plan, out, "full" if full else "structure", tuning)
 
 
-def _in_recipe(recipe_path: Path, fn, *args):
+def _build_shrink(recipe: ShrinkRecipe, recipe_path: Path, out: Path | None, *, force: bool,
+                  dry_run: bool, tune: TuneOptions | None, verify: Verify,
+                  progress: bool) -> BuildResult:
+    """`kind: shrink`: statistics, then the shrunk MoE (moemerge/shrink)."""
+    if dry_run or out is None or tune is not None:
+        raise RecipeError(f"{recipe_path}: kind: shrink reads its calibration text through the "
+                          "model to choose what to keep; it has no dry run and no --tune-on")
+    done = _in_recipe(recipe_path, shrink, recipe, out, recipe_dir=recipe_path.parent,
+                      recipe_text=recipe_path.read_text(), force=force,
+                      verify=verify != "structure", progress=progress)
+    return BuildResult(Plan([recipe.model.model], [], {}), out,
+                       "structure" if verify == "structure" else "full", shrunk=done)
+
+
+def _in_recipe(recipe_path: Path, fn, *args, **kwargs):
     """fn(*args), its RecipeError prefixed with the recipe file it is about."""
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except RecipeError as exc:
         raise RecipeError(f"{recipe_path}: {exc}") from None
 

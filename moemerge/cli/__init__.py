@@ -15,6 +15,7 @@ from moemerge.cli import (  # noqa: F401
     inspect,
     methods,
     route,
+    shrink,
 )
 from moemerge.cli.app import app
 

@@ -142,6 +142,11 @@ def build(
                       f"memory: {human_bytes(result.estimate.peak_bytes)} above start-up "
                       f"(lookahead {max(lookahead, workers)})", highlight=False)
         return
+    if result.shrunk is not None:
+        done = result.shrunk
+        out.print(f"[green]shrunk[/] {escape(str(output))}: {done.kept} of {done.before} "
+                  f"experts per layer, {done.bytes / 2**20:.1f} MiB")
+        return
     size = result.plan.total_bytes / 2**20
     out.print(
         f"[green]built[/] {escape(str(output))} ({len(result.plan.jobs)} tensors, {size:.1f} MiB; "

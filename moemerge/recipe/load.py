@@ -17,10 +17,11 @@ from moemerge.errors import RecipeError
 from moemerge.recipe.merged import MergedExpertsRecipe
 from moemerge.recipe.models import MergeRecipe, MoERecipe
 from moemerge.recipe.sequence import BridgedRecipe, SeqRoutedRecipe
+from moemerge.recipe.shrink import ShrinkRecipe
 from moemerge.recipe.upcycle import UpcycleRecipe
 
 AnyRecipe = (MergeRecipe | MoERecipe | SeqRoutedRecipe | BridgedRecipe | MergedExpertsRecipe
-             | UpcycleRecipe)
+             | UpcycleRecipe | ShrinkRecipe)
 ASSEMBLIES = ("token_routed", "seq_routed", "bridged", "merged_experts")
 
 
@@ -37,11 +38,12 @@ Recipe = Annotated[
     | Annotated[SeqRoutedRecipe, Tag("moe:seq_routed")]
     | Annotated[BridgedRecipe, Tag("moe:bridged")]
     | Annotated[MergedExpertsRecipe, Tag("moe:merged_experts")]
-    | Annotated[UpcycleRecipe, Tag("upcycle")],
+    | Annotated[UpcycleRecipe, Tag("upcycle")]
+    | Annotated[ShrinkRecipe, Tag("shrink")],
     Discriminator(_recipe_tag),
 ]
 _ADAPTER: TypeAdapter = TypeAdapter(Recipe)
-_TAGS = ("merge", "moe", "moe:seq_routed", "moe:bridged", "moe:merged_experts", "upcycle")
+_TAGS = ("merge", "moe", "moe:seq_routed", "moe:bridged", "moe:merged_experts", "upcycle", "shrink")
 
 
 def _field_path(loc: tuple) -> str:
@@ -164,10 +166,11 @@ def _describe(err: dict) -> str:
         if data.get("kind") == "moe":
             return (f"assembly: must be one of {', '.join(ASSEMBLIES)}, got "
                     f"{short(data.get('assembly'))}")
-        return f"kind: must be 'merge', 'moe' or 'upcycle', got {short(data.get('kind'))}"
+        return (f"kind: must be 'merge', 'moe', 'upcycle' or 'shrink', got "
+                f"{short(data.get('kind'))}")
     if err["type"] == "union_tag_not_found":
-        return ("kind: missing; say 'kind: merge' (dense merge), 'kind: moe' or 'kind: upcycle' "
-                "(one dense model into an MoE)")
+        return ("kind: missing; say 'kind: merge' (dense merge), 'kind: moe', 'kind: upcycle' "
+                "(one dense model into an MoE) or 'kind: shrink' (fewer experts)")
     msg = err["msg"].removeprefix("Value error, ")[:300]
     # whole-recipe checks name their own field at the start of the message
     return f"{field[:200]}: {msg}" if field else msg

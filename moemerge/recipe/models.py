@@ -94,9 +94,8 @@ class ExpertRef(ModelRef):
     negative_prompts: list[str] = Field(default_factory=list)
 
 
-class CalibrationSpec(Strict):
-    """Calibration text for `router.init: calibrate` (docs/routing.md): routers set in closed
-    form by ridge regression from the merged model's router inputs to expert targets."""
+class CalibrationText(Strict):
+    """Calibration text: where it is and how much of it is read, in windows of seq_len."""
 
     data: list[str] = Field(min_length=1, description="Text in the forms `finetune --data` "
                             "reads (paths relative to the recipe): one text per expert, each "
@@ -108,15 +107,21 @@ class CalibrationSpec(Strict):
                          "window.")
     text_field: str = Field(default="text", min_length=1, description="Field of .jsonl "
                             "records holding the text.")
+
+    _one_or_many = field_validator("data", mode="before")(
+        lambda v: [v] if isinstance(v, str) else v)
+
+
+class CalibrationSpec(CalibrationText):
+    """Calibration text for `router.init: calibrate` (docs/routing.md): routers set in closed
+    form by ridge regression from the merged model's router inputs to expert targets."""
+
     targets: Literal["auto", "domain", "loss"] = Field(
         default="auto", description="domain: one-hot of the text's expert; loss: softmax of "
         "the negative per-token expert losses; auto: domain when every text names an expert, "
         "loss for one text.")
     confidence: float = Field(default=0.8, gt=0.0, lt=1.0, description="Mean top-1 routing "
                               "probability the rows are scaled to on the calibration data.")
-
-    _one_or_many = field_validator("data", mode="before")(
-        lambda v: [v] if isinstance(v, str) else v)
 
 
 def calibration_problem(calibrates: bool, calibration: CalibrationSpec | None,

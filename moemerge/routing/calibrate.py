@@ -10,6 +10,7 @@ and only one layer's inputs [rows, H] are held at a time. Sequence routers read 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -108,32 +109,49 @@ def token_gates(model, num_experts: int) -> list[torch.nn.Module]:
     return [router for _, router in found]
 
 
-def calibrate_token_routers(model, cal: Calibration, stats: dict | None = None
-                            ) -> dict[int, torch.Tensor]:
-    """{layer: router [E, H]} of a token-routed MoE; each is written into the model before the
-    next layer's inputs are captured. `stats`, when given, receives each layer's
-    LayerStatistics (routing/statistics.py: what `moemerge extend` refits from)."""
-    from moemerge.routing.statistics import layer_statistics
+RouterFit = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
-    num_experts = cal.targets.shape[-1]
+
+def fit_token_routers(model, ids: torch.Tensor, gates: list[tuple[int, torch.nn.Module]],
+                      fit: RouterFit) -> dict[int, torch.Tensor]:
+    """{layer: router [E, H]}: each gate in layer order set to fit(layer, rows [R, H], window
+    of each row [R]) on its inputs over the windows ids [W, S+1] (R = W·S), and written into
+    the model before the next layer's inputs are captured."""
     routers = {}
-    for layer, gate in enumerate(token_gates(model, num_experts)):
-        x, window = token_rows(model, cal, gate, layer)
-        y = cal.targets.reshape(-1, num_experts)
-        routers[layer] = _solve(x, y, window, cal.confidence)
-        if stats is not None:
-            stats[layer] = layer_statistics(x, y, held_out_windows(window))
+    for layer, gate in gates:
+        x, window = token_rows(model, ids, gate, layer)
+        routers[layer] = fit(layer, x, window)
         gate.weight.data.copy_(routers[layer])
     return routers
 
 
-def token_rows(model, cal: Calibration, gate, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows [R, H], window [R]) layer `layer`'s router `gate` sees: one per calibration token."""
-    x, window = capture_rows(model, cal.ids, gate, gate)
-    if x.shape[0] != cal.targets.shape[0] * cal.targets.shape[1]:
+def token_rows(model, ids: torch.Tensor, gate, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [R, H], window [R]) layer `layer`'s router `gate` sees over the windows ids
+    [W, S+1]: one per calibration token."""
+    x, window = capture_rows(model, ids, gate, gate)
+    if x.shape[0] != ids.shape[0] * (ids.shape[1] - 1):
         raise ValueError(f"layer {layer}: the router saw {x.shape[0]} rows, expected one "
                          "per calibration token")
     return x, window
+
+
+def calibrate_token_routers(model, cal: Calibration, stats: dict | None = None
+                            ) -> dict[int, torch.Tensor]:
+    """{layer: router [E, H]} of a token-routed MoE (every layer's targets the same).
+    `stats`, when given, receives each layer's LayerStatistics (routing/statistics.py: what
+    `moemerge extend` refits from)."""
+    from moemerge.routing.statistics import layer_statistics
+
+    num_experts = cal.targets.shape[-1]
+    targets = cal.targets.reshape(-1, num_experts)
+
+    def fit(layer: int, x: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        if stats is not None:
+            stats[layer] = layer_statistics(x, targets, held_out_windows(window))
+        return _solve(x, targets, window, cal.confidence)
+
+    return fit_token_routers(model, cal.ids, list(enumerate(token_gates(model, num_experts))),
+                             fit)
 
 
 def calibrate_merged_routers(model, cal: Calibration) -> dict[int, torch.Tensor]:

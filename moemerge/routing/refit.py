@@ -25,7 +25,7 @@ def refit_token_routers(model, cal: Calibration, stored: dict[int, LayerStatisti
     experts = cal.targets.shape[-1]
     routers, summed = {}, {}
     for layer, gate in enumerate(token_gates(model, experts)):
-        x, window = token_rows(model, cal, gate, layer)
+        x, window = token_rows(model, cal.ids, gate, layer)
         new = layer_statistics(x, cal.targets.reshape(-1, experts),
                                held_out_windows(window + window_offset))
         summed[layer] = stored[layer].padded(experts) + new if with_stored else new

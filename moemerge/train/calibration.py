@@ -20,7 +20,7 @@ from moemerge.errors import RecipeError
 from moemerge.loading import load_pretrained
 from moemerge.plan.jobs import Plan
 from moemerge.plan.sources import SourceModel
-from moemerge.recipe.models import CalibrationSpec
+from moemerge.recipe.models import CalibrationSpec, CalibrationText
 from moemerge.routing.calibrate import (
     Calibration,
     calibrate_merged_routers,
@@ -37,7 +37,7 @@ def calibrates(recipe) -> bool:
     return getattr(getattr(recipe, "router", None), "init", None) == "calibrate"
 
 
-def calibration_texts(spec: CalibrationSpec, recipe_dir: Path) -> dict[str, list[str]]:
+def calibration_texts(spec: CalibrationText, recipe_dir: Path) -> dict[str, list[str]]:
     """{domain: documents}; errors name `calibration.data` (moemerge.data's messages)."""
     domains = read_domains(spec.data, text_field=spec.text_field, what="calibration.data",
                            near=recipe_dir)
@@ -50,8 +50,10 @@ def expert_models(recipe, models: list[SourceModel]) -> list[SourceModel]:
     return experts + [models[0]] if getattr(recipe, "include_base_expert", False) else experts
 
 
-def calibration_set(spec: CalibrationSpec, texts: dict[str, list[str]], tokenizer,
-                    experts: list[SourceModel]) -> Calibration:
+def calibration_windows(spec: CalibrationText, texts: dict[str, list[str]], tokenizer
+                        ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """(windows ids [W, seq_len + 1], domain index of each [W], domain names): at most
+    max_tokens // seq_len windows per domain, evenly spread over its text."""
     try:
         blocks = make_blocks(texts, tokenizer, spec.seq_len, 0.0)
     except RecipeError as exc:  # its advice names finetune's --seq-len
@@ -59,19 +61,24 @@ def calibration_set(spec: CalibrationSpec, texts: dict[str, list[str]], tokenize
     per_domain = max(1, spec.max_tokens // spec.seq_len)
     keep = torch.cat([_spread(torch.nonzero(blocks.domain == d).flatten(), per_domain)
                       for d in range(len(blocks.domains))])
-    ids, domain = blocks.tokens[keep], blocks.domain[keep]
+    return blocks.tokens[keep], blocks.domain[keep], blocks.domains
+
+
+def calibration_set(spec: CalibrationSpec, texts: dict[str, list[str]], tokenizer,
+                    experts: list[SourceModel]) -> Calibration:
+    ids, domain, domains = calibration_windows(spec, texts, tokenizer)
     labels = [m.label for m in experts]
-    unknown = [d for d in blocks.domains if d not in labels]
+    unknown = [d for d in domains if d not in labels]
     targets = spec.targets
     if targets == "auto":
-        targets = "loss" if unknown and len(blocks.domains) == 1 else "domain"
+        targets = "loss" if unknown and len(domains) == 1 else "domain"
     if targets == "domain":
         if unknown:
             raise RecipeError(
                 f"calibration.data: domain(s) {', '.join(map(repr, unknown))} name no expert "
                 f"(experts: {', '.join(labels)}); name each text after its expert (name=path), "
                 "or give one mixed text (targets: loss)")
-        return Calibration(ids, domain_targets(domain, [labels.index(d) for d in blocks.domains],
+        return Calibration(ids, domain_targets(domain, [labels.index(d) for d in domains],
                                                len(labels), spec.seq_len), spec.confidence)
     nll = torch.stack([token_nll(model_as_stored(m.path), ids) for m in experts])  # [E, W, S]
     return Calibration(ids, loss_targets(nll), spec.confidence)

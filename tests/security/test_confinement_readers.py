@@ -62,6 +62,8 @@ READERS = {
     "extract": ("moe", ["extract", "moe", "out", "--expert", "0"]),
     "extend": ("moe", ["extend", "moe", "out", "--expert", "dense", "--calibration",
                        "text.txt", "--keep-shared"]),
+    "shrink": ("moe", ["shrink", "moe", "out", "--experts", "1", "--calibration", "text.txt",
+                       "--seq-len", "16"]),
     "route": ("seq", ["route", "seq", "text.txt"]),
     "inspect task-vectors": ("dense", ["inspect", "task-vectors", "dense", "moe2", "-q"]),
     "inspect routing": ("moe", ["inspect", "routing", "moe", "--data", "code=text.txt"]),

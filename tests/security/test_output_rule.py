@@ -24,6 +24,7 @@ OUTPUTS = {
     ("export", "output"): "dir",
     ("extract", "output"): "dir",
     ("extend", "output"): "dir",
+    ("shrink", "output"): "dir",
     ("toy", "directory"): "dir",
     ("demo", "workdir"): "dir",
     ("import-mergekit", "output"): "file",
@@ -42,6 +43,7 @@ NOT_OUTPUTS = {
     ("validate", "recipes"), ("toy", "preset"), ("demo", "preset"), ("export", "model"),
     ("extract", "model"), ("extract", "expert"), ("extract", "weights"),
     ("extend", "model"), ("extend", "expert"), ("extend", "name"), ("extend", "calibration"),
+    ("shrink", "model"), ("shrink", "calibration"), ("shrink", "method"), ("shrink", "saliency"),
     ("finetune", "model"), ("finetune", "config"), ("finetune", "data"), ("finetune", "train"),
     ("finetune", "text_field"), ("finetune", "label_field"), ("finetune", "schedule"),
     ("finetune", "device"), ("finetune", "autocast"), ("import-mergekit", "config"),
@@ -125,6 +127,9 @@ def invocation(key, w, target):
     if command == "extend":  # the new expert is an input too
         return (["extend", w["moe"], target, "--expert", e1, "--calibration", w["text"],
                  "--keep-shared"], e1 / "config.json")
+    if command == "shrink":
+        return (["shrink", w["moe"], target, "--experts", "1", "--calibration", w["text"],
+                 "--seq-len", "16", "-q"], w["moe"] / "config.json")
     if command == "toy":
         return ["toy", target], None
     if command == "demo":

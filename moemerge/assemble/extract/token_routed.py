@@ -60,7 +60,7 @@ def dense_config(config: dict, layout: MoELayout, model_type: str, width: int) -
     return dense
 
 
-def _pattern(template: str) -> re.Pattern:
+def name_pattern(template: str) -> re.Pattern:
     """A moe.yaml name template as a regex with layer / expert / proj groups."""
     text = re.escape(template)
     for key, group in (("layer", r"(?P<layer>\d+)"), ("expert", r"(?P<expert>\d+)"),
@@ -74,7 +74,7 @@ def moe_tensor_layer(layout: MoELayout) -> Callable[[str], int | None]:
     expert, fused tensors), else None."""
     templates = [layout.expert, layout.router, *layout.fused, *layout.fused_shared,
                  *(t for t in (layout.shared_expert, layout.shared_expert_gate) if t)]
-    patterns = [_pattern(t) for t in templates]
+    patterns = [name_pattern(t) for t in templates]
 
     def layer(name: str) -> int | None:
         found = next((m for p in patterns if (m := p.fullmatch(name))), None)

@@ -1,0 +1,81 @@
+"""The shrunk checkpoint's tensors, in the input's own layout, each made when the writer asks.
+
+Per layer, new expert j = Σ_e A[j, e] · old expert e along the expert axis (A [K, E] the
+grouping's matrix): per-expert tensors ([I, H] / [H, I] each) and fused ones ([E, rows, cols],
+GraniteMoE) alike; the router [E, H] becomes [K, H] with the grouping's row weights. A group of
+one expert is a plain copy, bit for bit. Everything else (attention, norms, embedding, head, a
+shared expert and its gate) is copied unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moemerge.architectures.tables import MoELayout
+from moemerge.assemble.extract.plan import DenseTensor, Extraction
+from moemerge.assemble.extract.token_routed import name_pattern
+from moemerge.io.reader import CheckpointReader
+from moemerge.shrink.prune import Grouping
+
+
+def _combined(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """Σ w_i · t_i in fp32, cast back to the tensors' dtype; one tensor: itself."""
+    if len(tensors) == 1:
+        return tensors[0]
+    total = sum(w * t.float() for w, t in zip(weights, tensors, strict=True))
+    return total.to(tensors[0].dtype)
+
+
+def _rows(tensor: torch.Tensor, grouping: Grouping, rows: bool) -> torch.Tensor:
+    """tensor [E, ...] -> [K, ...] along the expert axis."""
+    weights = grouping.row_weights if rows else grouping.weights
+    return torch.stack([_combined([tensor[e] for e in g], w)
+                        for g, w in zip(grouping.groups, weights, strict=True)])
+
+
+def shrunk_tensors(reader: CheckpointReader, layout: MoELayout,
+                   groupings: dict[int, Grouping]) -> list[DenseTensor]:
+    """Every output tensor, in the input's order (a layer's new experts where its old ones
+    were)."""
+    expert = name_pattern(layout.expert)
+    router = name_pattern(layout.router)
+    fused = [name_pattern(t) for t in layout.fused]
+    on_disk = {disk: proj for proj, disk in layout.projections.items()}
+    out = Extraction({})
+    for name in reader.names():
+        meta = reader.meta(name)
+        found = expert.fullmatch(name)
+        if found and int(found["layer"]) in groupings:
+            layer, proj = int(found["layer"]), on_disk[found["proj"]]
+            if int(found["expert"]) == 0:  # the layer's K new experts, once per projection
+                for j, (group, weights) in enumerate(zip(groupings[layer].groups,
+                                                         groupings[layer].weights, strict=True)):
+                    def make(layer=layer, proj=proj, group=group, weights=weights):
+                        return _combined([reader.read(layout.expert_name(layer, e, proj))
+                                          for e in group], weights)
+                    out.tensors.append(DenseTensor(layout.expert_name(layer, j, proj),
+                                                   meta.dtype, meta.shape, make))
+            continue
+        match = router.fullmatch(name) or next((m for p in fused if (m := p.fullmatch(name))),
+                                               None)
+        if match and int(match["layer"]) in groupings:
+            grouping, is_router = groupings[int(match["layer"])], match.re is router
+            out.tensors.append(DenseTensor(
+                name, meta.dtype, (grouping.kept, *meta.shape[1:]),
+                lambda name=name, g=grouping, r=is_router: _rows(reader.read(name), g, r)))
+            continue
+        out.copy(reader, name)
+    return out.tensors
+
+
+def shrunk_config(config: dict, layout: MoELayout, kept: int) -> tuple[dict, list[str]]:
+    """(config.json of the shrunk MoE, notes): the expert count set to K, experts_per_token
+    clipped to K."""
+    new = {**config, layout.num_experts_key: kept}
+    notes = []
+    top_k = int(config.get("num_experts_per_tok", 1))
+    if top_k > kept:
+        new["num_experts_per_tok"] = kept
+        notes.append(f"num_experts_per_tok {top_k} is more than the {kept} experts kept: "
+                     f"clipped to {kept} (every token now goes to every expert)")
+    return new, notes
