@@ -29,6 +29,7 @@ from moemerge.assemble.extend.recipe import (
     depends_on_experts,
     extended_recipe_text,
     loss_targets_error,
+    new_experts,
 )
 from moemerge.assemble.extend.tensors import check_expert, extended_tensors
 from moemerge.assemble.extract.token_routed import token_layout
@@ -86,7 +87,7 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
             "experts join the recipe copy with weight 0, so it rebuilds the same model), or "
             "add the experts to the recipe and rebuild")
     old = expert_labels(moe, int(config[layout.num_experts_key]))
-    new = _new_experts(experts, names, calibration, old)
+    new = new_experts(experts, names, calibration, old)
     labels = [SimpleNamespace(label=name) for name in [*old, *(e.name for e in new)]]
     cal = _calibration(moe, recipe.calibration, new, labels, old_text=recalibrate)
     recipe_text = extended_recipe_text(data, new, keep_shared) + STATS_NOTE
@@ -148,7 +149,8 @@ def _stored_statistics(moe: Path, config: dict, count_key: str):
     if not file.is_file():
         raise CheckpointError(f"{moe}: no {STATS_FILE}: built without the router statistics "
                               f"extend refits from (before moemerge kept them, or with another "
-                              f"router init); {REBUILD}")
+                              f"router init): pass --recalibrate (all the calibration text "
+                              f"again, no statistics needed), or {REBUILD}")
     try:
         stored, windows = load_statistics(file)
     except (ValueError, KeyError, OSError) as exc:
@@ -164,37 +166,6 @@ def _stored_statistics(moe: Path, config: dict, count_key: str):
     if bool((targets - targets.diag().diag()).abs().max() > 0):  # YᵀY of one-hot is diagonal
         raise loss_targets_error(moe)
     return stored, windows
-
-
-def _new_experts(paths: list[Path], names: list[str] | None, texts: list[str] | None,
-                 old: list[str]) -> list[NewExpert]:
-    """Each --expert with its name (--name, else its directory's) and its calibration text
-    (--calibration: `name=path`, or one bare path per expert in order)."""
-    if not paths:
-        raise RecipeError("give at least one --expert PATH")
-    names = list(names or [Path(p).resolve().name for p in paths])
-    if len(names) != len(paths):
-        raise RecipeError(f"--name: {len(names)} names for {len(paths)} --expert models")
-    taken = [n for n in names if n in old or names.count(n) > 1]
-    if taken:
-        raise RecipeError(f"--name: {', '.join(sorted(set(taken)))} already names an expert "
-                          f"(experts: {', '.join(old)}); give each new expert a new --name")
-    given = list(texts or [])
-    named = dict(t.split("=", 1) for t in given if "=" in t)
-    bare = [t for t in given if "=" not in t]
-    if bare and len(bare) != len(paths):
-        raise RecipeError(f"--calibration: {len(bare)} texts without a name for {len(paths)} "
-                          "experts; give NAME=PATH for each")
-    by_name = named | dict(zip(names, bare, strict=False))
-    missing = [n for n in names if n not in by_name]
-    if missing:
-        raise RecipeError(f"--calibration: no text for {', '.join(missing)}: the routers are "
-                          "refitted on each new expert's own text (--calibration NAME=PATH)")
-    for path in paths:
-        if not Path(path).is_dir():
-            raise CheckpointError(f"--expert {path}: no such model directory")
-    return [NewExpert(n, Path(p).resolve(), str(Path(by_name[n]).resolve()))
-            for n, p in zip(names, paths, strict=True)]
 
 
 def _card(moe: Path, old: list[str], new: list[NewExpert], recalibrate: bool) -> str:

@@ -134,9 +134,14 @@ def router_gaps(model, rebuilt) -> list[float]:
 
 @pytest.fixture(scope="module")
 def recalibrated(grown):
-    """The 2-expert MoE extended by `marks` with --recalibrate."""
+    """The 2-expert MoE extended by `marks` with --recalibrate, its statistics file removed
+    first (the exact mode does not read it; the fast mode refuses, pointing to it)."""
     root, two, _, _, _, _ = grown
-    done = CliRunner().invoke(app, extend_args(root, two, root / "exact", "--recalibrate"))
+    bare = shutil.copytree(two, root / "two-without-statistics")
+    (bare / STATS_FILE).unlink()
+    refused = CliRunner().invoke(app, extend_args(root, bare, root / "exact"))
+    assert refused.exit_code == 1 and "--recalibrate" in refused.output, refused.output
+    done = CliRunner().invoke(app, extend_args(root, bare, root / "exact", "--recalibrate"))
     assert done.exit_code == 0, done.output
     return root / "exact"
 
