@@ -1,10 +1,13 @@
 """`moemerge extend`: new experts joined to a token-routed MoE that `moemerge build` calibrated,
 without rebuilding it (docs/extend.md).
 
-The MoE's tensors are copied with the new experts' FFNs added in every layer; the routers are
+The MoE's tensors are copied with the new experts' FFNs added in every layer. The routers are
 refitted from the ridge statistics the build kept (routing/statistics.py) plus the new
-experts' calibration text, the only text that runs through the model. The output is written
-under the output rule (atomic, --force) with a recipe copy that rebuilds it from scratch.
+experts' calibration text, the only text that runs through the model (fast: layer 0 exact,
+deeper layers fitted on the old model's hidden states for the old text), or, with
+`recalibrate`, calibrated again on all the text exactly as `build` does (a rebuild's routers,
+no checkpoint tensor merged again). The output is written under the output rule (atomic,
+--force) with a recipe copy that rebuilds it from scratch.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch
+
 from moemerge.analysis.routing import expert_labels
 from moemerge.assemble.extend.recipe import (
     REBUILD,
@@ -24,6 +29,7 @@ from moemerge.assemble.extend.recipe import (
     depends_on_experts,
     extended_recipe_text,
     loss_targets_error,
+    new_experts,
 )
 from moemerge.assemble.extend.tensors import check_expert, extended_tensors
 from moemerge.assemble.extract.token_routed import token_layout
@@ -33,8 +39,16 @@ from moemerge.eval.perplexity import load_tokenizer
 from moemerge.io.atomic import RECIPE_COPY, SIDE_FILES, atomic_output_dir, copy_side_files
 from moemerge.io.reader import CheckpointReader, read_config
 from moemerge.io.writer import ShardedWriter, overwrite_tensors, parse_size
+from moemerge.recipe.models import CalibrationSpec
+from moemerge.routing.calibrate import Calibration, calibrate_token_routers
 from moemerge.routing.refit import refit_token_routers
-from moemerge.routing.statistics import STATS_FILE, STATS_NOTE, load_statistics, save_statistics
+from moemerge.routing.statistics import (
+    STATS_FILE,
+    STATS_NOTE,
+    LayerStatistics,
+    load_statistics,
+    save_statistics,
+)
 from moemerge.train.calibration import calibration_set, calibration_texts, model_as_stored
 
 __all__ = ["Extended", "extend_moe"]
@@ -49,8 +63,12 @@ class Extended:
 
 def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | None = None,
                calibration: list[str] | None = None, keep_shared: bool = False,
-               force: bool = False, verify: bool = True) -> Extended:
-    """Write `moe` grown by `experts` (dense models fine-tuned from its base) to `out`."""
+               recalibrate: bool = False, force: bool = False, verify: bool = True
+               ) -> Extended:
+    """Write `moe` grown by `experts` (dense models fine-tuned from its base) to `out`.
+    recalibrate: calibrate the routers on all the text, the recipe copy's and the new
+    experts' (a rebuild's routers); else refit them from the stored statistics plus the new
+    text."""
     moe, out = Path(moe), Path(out)
     config = read_config(moe)
     layout = token_layout(config)
@@ -59,7 +77,8 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
                               "token_routed MoE (Mixtral, Qwen2-MoE, Qwen3-MoE, FlexOlmo, "
                               "GraniteMoE); seq_routed and merged_experts are not supported")
     data, recipe = built_recipe(moe)
-    stored, windows = _stored_statistics(moe, config, layout.num_experts_key)
+    stored, windows = (None, 0) if recalibrate else _stored_statistics(
+        moe, config, layout.num_experts_key)
     changing = depends_on_experts(recipe)
     if changing and not keep_shared:
         raise RecipeError(
@@ -68,11 +87,9 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
             "experts join the recipe copy with weight 0, so it rebuilds the same model), or "
             "add the experts to the recipe and rebuild")
     old = expert_labels(moe, int(config[layout.num_experts_key]))
-    new = _new_experts(experts, names, calibration, old)
-    spec = recipe.calibration.model_copy(update={"data": [f"{e.name}={e.text}" for e in new]})
-    texts = calibration_texts(spec, Path.cwd())
+    new = new_experts(experts, names, calibration, old)
     labels = [SimpleNamespace(label=name) for name in [*old, *(e.name for e in new)]]
-    cal = calibration_set(spec, texts, load_tokenizer(moe), labels)
+    cal = _calibration(moe, recipe.calibration, new, labels, old_text=recalibrate)
     recipe_text = extended_recipe_text(data, new, keep_shared) + STATS_NOTE
     grown = dict(config, **{layout.num_experts_key: len(labels)})
     with CheckpointReader(moe) as reader, ExitStack() as stack:
@@ -90,14 +107,41 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
             (tmp / "config.json").write_text(json.dumps(grown, indent=2) + "\n")
             copy_side_files(moe, tmp, SIDE_FILES)
             (tmp / RECIPE_COPY).write_text(recipe_text)
-            (tmp / "README.md").write_text(_card(moe, old, new))
-            routers, summed = refit_token_routers(model_as_stored(tmp), cal, stored, windows)
+            (tmp / "README.md").write_text(_card(moe, old, new, recalibrate))
+            routers, stats = _fit_routers(model_as_stored(tmp), cal, stored, windows)
             overwrite_tensors(tmp, {layout.router_name(layer): router
                                     for layer, router in routers.items()})
-            save_statistics(tmp / STATS_FILE, summed, windows + cal.ids.shape[0])
+            save_statistics(tmp / STATS_FILE, stats, windows + cal.ids.shape[0])
             if verify and size <= FULL_LOAD_LIMIT:
                 check_loads(tmp)
     return Extended([label.label for label in labels], len(tensors), size)
+
+
+def _calibration(moe: Path, spec: CalibrationSpec, new: list[NewExpert], labels: list,
+                 *, old_text: bool) -> Calibration:
+    """The windows the routers are fitted on: the new experts' texts, after (old_text) the
+    recipe copy's, read as `moemerge build MOE/moemerge_recipe.yaml` reads them (a relative
+    path next to MOE, else in the working directory): the windows and targets a rebuild has."""
+    texts = calibration_texts(spec.model_copy(update={
+        "data": [f"{e.name}={e.text}" for e in new]}), moe)
+    if old_text:
+        try:
+            texts = calibration_texts(spec, moe) | texts
+        except RecipeError as exc:
+            raise RecipeError(f"{moe / RECIPE_COPY}: {exc}: --recalibrate reads the build's "
+                              "calibration text again; restore it there, or extend without "
+                              "--recalibrate (refit from the stored statistics)") from None
+    return calibration_set(spec, texts, load_tokenizer(moe), labels)
+
+
+def _fit_routers(model, cal: Calibration, stored: dict[int, LayerStatistics] | None,
+                 windows: int) -> tuple[dict[int, torch.Tensor], dict[int, LayerStatistics]]:
+    """({layer: router}, {layer: its statistics}): the build's own calibration when nothing is
+    stored (cal holds all the text), else the refit of the stored statistics plus cal's."""
+    if stored is None:
+        stats: dict[int, LayerStatistics] = {}
+        return calibrate_token_routers(model, cal, stats), stats
+    return refit_token_routers(model, cal, stored, windows)
 
 
 def _stored_statistics(moe: Path, config: dict, count_key: str):
@@ -105,7 +149,8 @@ def _stored_statistics(moe: Path, config: dict, count_key: str):
     if not file.is_file():
         raise CheckpointError(f"{moe}: no {STATS_FILE}: built without the router statistics "
                               f"extend refits from (before moemerge kept them, or with another "
-                              f"router init); {REBUILD}")
+                              f"router init): pass --recalibrate (all the calibration text "
+                              f"again, no statistics needed), or {REBUILD}")
     try:
         stored, windows = load_statistics(file)
     except (ValueError, KeyError, OSError) as exc:
@@ -123,41 +168,12 @@ def _stored_statistics(moe: Path, config: dict, count_key: str):
     return stored, windows
 
 
-def _new_experts(paths: list[Path], names: list[str] | None, texts: list[str] | None,
-                 old: list[str]) -> list[NewExpert]:
-    """Each --expert with its name (--name, else its directory's) and its calibration text
-    (--calibration: `name=path`, or one bare path per expert in order)."""
-    if not paths:
-        raise RecipeError("give at least one --expert PATH")
-    names = list(names or [Path(p).resolve().name for p in paths])
-    if len(names) != len(paths):
-        raise RecipeError(f"--name: {len(names)} names for {len(paths)} --expert models")
-    taken = [n for n in names if n in old or names.count(n) > 1]
-    if taken:
-        raise RecipeError(f"--name: {', '.join(sorted(set(taken)))} already names an expert "
-                          f"(experts: {', '.join(old)}); give each new expert a new --name")
-    given = list(texts or [])
-    named = dict(t.split("=", 1) for t in given if "=" in t)
-    bare = [t for t in given if "=" not in t]
-    if bare and len(bare) != len(paths):
-        raise RecipeError(f"--calibration: {len(bare)} texts without a name for {len(paths)} "
-                          "experts; give NAME=PATH for each")
-    by_name = named | dict(zip(names, bare, strict=False))
-    missing = [n for n in names if n not in by_name]
-    if missing:
-        raise RecipeError(f"--calibration: no text for {', '.join(missing)}: the routers are "
-                          "refitted on each new expert's own text (--calibration NAME=PATH)")
-    for path in paths:
-        if not Path(path).is_dir():
-            raise CheckpointError(f"--expert {path}: no such model directory")
-    return [NewExpert(n, Path(p).resolve(), str(Path(by_name[n]).resolve()))
-            for n, p in zip(names, paths, strict=True)]
-
-
-def _card(moe: Path, old: list[str], new: list[NewExpert]) -> str:
+def _card(moe: Path, old: list[str], new: list[NewExpert], recalibrate: bool) -> str:
+    routers = ("calibrated again on all the calibration text, the build's and the new "
+               "experts', as a rebuild does" if recalibrate else "refitted from the build's "
+               "ridge statistics and the new experts' calibration text")
     return (f"# `{moe.name}` extended by {', '.join(e.name for e in new)}\n\n"
             f"Written by `moemerge extend` from the token-routed MoE `{moe}` (experts "
             f"{', '.join(old)}): the same shared tensors and experts, the new experts' FFNs "
-            "added in every layer, every router refitted from the build's ridge statistics "
-            f"and the new experts' calibration text. `{RECIPE_COPY}` rebuilds it from scratch "
-            "with `moemerge build` (docs/extend.md).\n")
+            f"added in every layer, every router {routers}. `{RECIPE_COPY}` rebuilds it from "
+            "scratch with `moemerge build` (docs/extend.md).\n")

@@ -25,8 +25,14 @@ def extend(
         "directory's name).", show_default=False)] = None,
     calibration: Annotated[list[str] | None, typer.Option(
         "--calibration", help="The new expert's calibration text, NAME=PATH (or a bare PATH "
-        "per --expert in order), in the forms `finetune --data` reads. Only this text runs "
-        "through the model.", show_default=False)] = None,
+        "per --expert in order), in the forms `finetune --data` reads. Without --recalibrate "
+        "only this text runs through the model.", show_default=False)] = None,
+    recalibrate: Annotated[bool, typer.Option(
+        "--recalibrate", help="Exact: calibrate every router again, layer by layer as `build` "
+        "does, on all the calibration text (the recipe copy's, which must still exist, and "
+        "the new experts'): the routers a rebuild gets, for the old text's forwards. Without "
+        "it, only layer 0's router is a rebuild's; deeper ones are fitted on the old model's "
+        "hidden states.")] = False,
     keep_shared: Annotated[bool, typer.Option(
         "--keep-shared", help="Keep the shared attention, norms, embedding and head as built "
         "(the old experts compute as before); needed when the recipe's merge reads every "
@@ -39,8 +45,10 @@ def extend(
     (config.json's expert count grows). Every router is refitted in closed form from the
     ridge statistics the build kept (router_stats.safetensors, written by `router.init:
     calibrate`) plus the new experts' calibration text: the old calibration text is not read
-    again. OUTPUT gets a recipe copy with the new experts appended, which `moemerge build`
-    rebuilds from scratch (docs/extend.md)."""
+    again, and only layer 0's router is the one a rebuild gets. With --recalibrate every
+    router is calibrated again on all the text, as a rebuild does (exact; no tensor is
+    merged again). OUTPUT gets a recipe copy with the new experts appended, which `moemerge
+    build` rebuilds from scratch (docs/extend.md)."""
     from moemerge.extend import extend_moe
     from moemerge.io.atomic import sweep_output
     from moemerge.io.outputs import check_output, local_inputs
@@ -50,6 +58,6 @@ def extend(
               *local_inputs("a --calibration text", calibration or [])]
     check_output(output, inputs, force=force, directory=True)
     done = extend_moe(model, output, expert, names=name, calibration=calibration,
-                      keep_shared=keep_shared, force=force)
+                      keep_shared=keep_shared, recalibrate=recalibrate, force=force)
     out.print(f"[green]extended[/] {model} to {output}: experts {', '.join(done.experts)}; "
               f"{done.tensors} tensors, {done.bytes / 2**20:.1f} MiB")

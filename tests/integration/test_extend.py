@@ -3,6 +3,7 @@ with a from-scratch build of the recipe copy extend writes (all three experts, t
 calibration text). Three planted domains in disjoint alphabets, one perturbed expert each."""
 
 import random
+import shutil
 import time
 
 import pytest
@@ -115,6 +116,70 @@ def test_without_the_old_statistics_the_comparison_fails(grown):
     router = tensors(rebuilt)[ROUTER.format(0)]
     assert relative(refit(whole, 0.8), router) <= 1e-6  # the check itself can pass
     assert relative(refit(new_only, 0.8), router) > 0.1
+
+
+def extend_args(root, moe, out, *extra) -> list[str]:
+    return ["extend", str(moe), str(out), "--expert", str(root / "marks"), "--name", "marks",
+            "--calibration", f"marks={root}/marks.txt", "--keep-shared", *extra]
+
+
+def router_gaps(model, rebuilt) -> list[float]:
+    """Each layer's router, max |Δ| relative to the rebuild's largest entry."""
+    mine, theirs = tensors(model), tensors(rebuilt)
+    layers = sorted(int(name.split(".")[2]) for name in theirs if name.endswith("gate.weight"))
+    assert layers == [0, 1]
+    return [relative(mine[ROUTER.format(layer)], theirs[ROUTER.format(layer)])
+            for layer in layers]
+
+
+@pytest.fixture(scope="module")
+def recalibrated(grown):
+    """The 2-expert MoE extended by `marks` with --recalibrate, its statistics file removed
+    first (the exact mode does not read it; the fast mode refuses, pointing to it)."""
+    root, two, _, _, _, _ = grown
+    bare = shutil.copytree(two, root / "two-without-statistics")
+    (bare / STATS_FILE).unlink()
+    refused = CliRunner().invoke(app, extend_args(root, bare, root / "exact"))
+    assert refused.exit_code == 1 and "--recalibrate" in refused.output, refused.output
+    done = CliRunner().invoke(app, extend_args(root, bare, root / "exact", "--recalibrate"))
+    assert done.exit_code == 0, done.output
+    return root / "exact"
+
+
+def test_recalibrate_gives_every_layers_router_of_the_rebuild(grown, recalibrated):
+    """--recalibrate runs the old text again through the grown model, layer by layer as the
+    build does: every router and the statistics file are the rebuild's; the fast mode's
+    deeper router is not (the same check fails on it), and the tensors are the fast mode's."""
+    _, _, fast, rebuilt, _, _ = grown
+    exact_gaps, fast_gaps = router_gaps(recalibrated, rebuilt), router_gaps(fast, rebuilt)
+    print("router max |Δ| relative per layer: --recalibrate "
+          + ", ".join(f"{g:.1e}" for g in exact_gaps) + "; fast "
+          + ", ".join(f"{g:.1e}" for g in fast_gaps))
+    assert max(exact_gaps) <= 1e-6
+    assert max(fast_gaps) > 1e-6  # the all-layer check can fail: layer 1 in the fast mode
+    mine, theirs = tensors(recalibrated), tensors(fast)
+    assert all(torch.equal(t, theirs[n]) for n, t in mine.items() if "gate.weight" not in n)
+    with safe_open(str(recalibrated / STATS_FILE), framework="pt") as a, \
+            safe_open(str(rebuilt / STATS_FILE), framework="pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys()) and a.metadata() == b.metadata()
+        for name in a.keys():
+            assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
+    assert "calibrated again on all" in (recalibrated / "README.md").read_text()
+
+
+def test_recalibrate_names_a_calibration_text_that_is_gone(grown, tmp_path):
+    root, two, _, _, _, _ = grown
+    moved = shutil.copytree(two, tmp_path / "two")
+    copy = moved / RECIPE_COPY
+    gone = tmp_path / "gone" / "digits.txt"
+    copy.write_text(copy.read_text().replace(f"{root}/digits.txt", str(gone)))
+    done = CliRunner().invoke(app, extend_args(root, moved, tmp_path / "out", "--recalibrate"))
+    assert done.exit_code == 2, done.output
+    words = " ".join(done.output.split())
+    assert str(gone) in words and "--recalibrate" in words, done.output
+    assert not (tmp_path / "out").exists()
+    fast = CliRunner().invoke(app, extend_args(root, moved, tmp_path / "out"))
+    assert fast.exit_code == 0, fast.output  # the fast mode never reads the old text
 
 
 def test_refusals_name_the_cause_with_exit_codes(grown, tiny_moe, model_factory, tmp_path):

@@ -1,4 +1,5 @@
-"""The recipe copy of an MoE being extended: what it allows, and the copy the output gets.
+"""The recipe copy of an MoE being extended: what it allows, the new experts the options name,
+and the copy the output gets.
 
 The output's copy is the old recipe with each new expert appended to `experts` and its text to
 `calibration.data`, so `moemerge build` of it makes the extended model from scratch. With
@@ -48,6 +49,37 @@ def built_recipe(moe: Path) -> tuple[dict, MoERecipe]:
     if recipe.calibration.targets == "loss":
         raise loss_targets_error(moe)
     return data, recipe
+
+
+def new_experts(paths: list[Path], names: list[str] | None, texts: list[str] | None,
+                 old: list[str]) -> list[NewExpert]:
+    """Each --expert with its name (--name, else its directory's) and its calibration text
+    (--calibration: `name=path`, or one bare path per expert in order)."""
+    if not paths:
+        raise RecipeError("give at least one --expert PATH")
+    names = list(names or [Path(p).resolve().name for p in paths])
+    if len(names) != len(paths):
+        raise RecipeError(f"--name: {len(names)} names for {len(paths)} --expert models")
+    taken = [n for n in names if n in old or names.count(n) > 1]
+    if taken:
+        raise RecipeError(f"--name: {', '.join(sorted(set(taken)))} already names an expert "
+                          f"(experts: {', '.join(old)}); give each new expert a new --name")
+    given = list(texts or [])
+    named = dict(t.split("=", 1) for t in given if "=" in t)
+    bare = [t for t in given if "=" not in t]
+    if bare and len(bare) != len(paths):
+        raise RecipeError(f"--calibration: {len(bare)} texts without a name for {len(paths)} "
+                          "experts; give NAME=PATH for each")
+    by_name = named | dict(zip(names, bare, strict=False))
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise RecipeError(f"--calibration: no text for {', '.join(missing)}: the routers are "
+                          "refitted on each new expert's own text (--calibration NAME=PATH)")
+    for path in paths:
+        if not Path(path).is_dir():
+            raise CheckpointError(f"--expert {path}: no such model directory")
+    return [NewExpert(n, Path(p).resolve(), str(Path(by_name[n]).resolve()))
+            for n, p in zip(names, paths, strict=True)]
 
 
 def loss_targets_error(moe: Path) -> RecipeError:
