@@ -236,27 +236,39 @@ def main() -> None:
             row |= {"steps": trained_steps(key, models), "summary": summary(row["per_seed"]),
                     "seconds": round(time.perf_counter() - start, 1)}
             results[label] = row
-        tuned = models.tuned
-    result = {
+            if not only:  # after every row: a run killed later (OOM, a deadline) keeps these
+                write_results(result_record(args, ts, models, results, clock, times, made,
+                                            complete=False))
+        result = result_record(args, ts, models, results, clock, times, made, complete=True)
+    print(markdown(result))
+    print(f"runtime: {result['runtime_s']:.0f} s")
+    if not only:
+        write_results(result)
+
+
+def result_record(args, ts, models, results: dict, clock: float, times: dict, made: float,
+                  complete: bool) -> dict:
+    """What the result files hold; `complete` False while rows are still to come."""
+    return {
         "preset": args.preset, "spec": ts.spec.__dict__ | {"domains": list(ts.spec.domains)},
         "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
         "transformers": transformers.__version__, "tune_balanced": True,
-        "provenance": provenance(),
+        "provenance": provenance(), "complete": complete,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.threads} torch "
                    f"thread(s)",
         "settings": {k: v for k, v in vars(args).items() if k not in ("threads", "only")},
-        "tuned": {k: {role: list(v) for role, v in chosen.items()} for k, chosen in tuned.items()},
+        "tuned": {k: {role: list(v) for role, v in chosen.items()}
+                  for k, chosen in models.tuned.items()},
         "runtime_s": time.perf_counter() - clock, "toy_s": times["toy experts"],
         # what making the expert set took, whenever it was made (0 above when it was cached)
         "toy_make_s": made,
         "rows": results,
     }
-    print(markdown(result))
-    print(f"runtime: {result['runtime_s']:.0f} s")
-    if only:
-        return
+
+
+def write_results(result: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
-    name = "quality-smollm2" if args.preset == "smollm2" else "quality"
+    name = "quality-smollm2" if result["preset"] == "smollm2" else "quality"
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
     (RESULTS / f"{name}.md").write_text(markdown(result))
     plot(result, RESULTS / f"{name}.png")
