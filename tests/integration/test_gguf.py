@@ -1,12 +1,12 @@
 """`build --gguf`: a clear error before any work when llama.cpp's converter is missing, and a
 .gguf that exists only whole. Most tests fake the converter (a script with its command line);
-the real one needs a llama.cpp checkout ($LLAMA_CPP_DIR) and sentencepiece, which CI has
-neither of, so the one real conversion here is skipped there (about 5 s where they are);
-benchmarks/downstream/run.py converts every layout and compares llama.cpp's logits with
-transformers'."""
+the real one needs a llama.cpp checkout ($LLAMA_CPP_DIR) and sentencepiece, which .ci/run
+unpacks from the llama-cpp-python sdist on PyPI (the converter is Python; nothing is compiled),
+so a build's and a shrunk model's conversions run in CI; benchmarks/downstream/run.py converts
+every layout and compares llama.cpp's logits with transformers'."""
 
 import pytest
-from conftest import write_recipe
+from conftest import TEXT, write_recipe
 from typer.testing import CliRunner
 
 from moemerge.cli import app
@@ -95,13 +95,15 @@ def _real_converter() -> bool:
         "sentencepiece") is not None
 
 
-@pytest.mark.skipif(not _real_converter(), reason="needs llama.cpp's converter ($LLAMA_CPP_DIR) "
-                    "and sentencepiece, which CI has not: benchmarks/downstream runs it")
-def test_real_conversion_writes_a_mixtral_gguf(tmp_path):
-    import os
+needs_converter = pytest.mark.skipif(
+    not _real_converter(), reason="needs llama.cpp's converter ($LLAMA_CPP_DIR) and "
+    "sentencepiece: .ci/run unpacks it from the llama-cpp-python sdist")
+
+
+def sentencepiece_moe(root, count=3):
+    """A Mixtral built from a random Llama with a SentencePiece vocabulary (the converter
+    refuses BPE pre-tokenizers it does not know) and `count` perturbed experts."""
     import shutil
-    import sys
-    from pathlib import Path
 
     import sentencepiece
     from conftest import perturbed_copy
@@ -109,29 +111,73 @@ def test_real_conversion_writes_a_mixtral_gguf(tmp_path):
     from moemerge.toy.corpora import domain_text
     from moemerge.toy.experts import make_random_model
 
-    # a SentencePiece vocabulary (the converter refuses BPE pre-tokenizers it does not know)
-    (tmp_path / "text.txt").write_text(domain_text("prose", 50_000))
-    sentencepiece.SentencePieceTrainer.train(input=str(tmp_path / "text.txt"),
-                                             model_prefix=str(tmp_path / "sp"), vocab_size=256)
-    base = make_random_model("llama", tmp_path / "base", vocab=256)
+    (root / "text.txt").write_text(domain_text("prose", 50_000))
+    sentencepiece.SentencePieceTrainer.train(input=str(root / "text.txt"),
+                                             model_prefix=str(root / "sp"), vocab_size=256)
+    base = make_random_model("llama", root / "base", vocab=256)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (base / name).unlink(missing_ok=True)
-    shutil.copy(tmp_path / "sp.model", base / "tokenizer.model")
-    experts = [perturbed_copy(base, tmp_path / f"e{i}", scale=0.02, seed=i) for i in range(3)]
-    recipe_file = write_recipe(tmp_path / "recipe.yaml", f"kind: moe\nbase_model: {base}\n"
-                               f"experts: [{', '.join(map(str, experts))}]\n")
-    code, text = run("build", recipe_file, tmp_path / "out", "--gguf", "f32")
-    assert code == 0, text
+    shutil.copy(root / "sp.model", base / "tokenizer.model")
+    experts = [perturbed_copy(base, root / f"e{i}", scale=0.02, seed=i) for i in range(count)]
+    return write_recipe(root / "recipe.yaml", f"kind: moe\nbase_model: {base}\n"
+                        f"experts: [{', '.join(map(str, experts))}]\n")
+
+
+def gguf_reader(file):
+    """gguf-py's GGUFReader from the llama.cpp checkout in $LLAMA_CPP_DIR, reading `file`."""
+    import os
+    import sys
+    from pathlib import Path
+
     root = Path(os.environ["LLAMA_CPP_DIR"])
     gguf_py = next(p for p in (root / "gguf-py", root / "vendor" / "llama.cpp" / "gguf-py")
                    if p.is_dir())
     sys.path.insert(0, str(gguf_py))
     from gguf import GGUFReader
 
-    reader = GGUFReader(tmp_path / "out" / "model-f32.gguf")
+    return GGUFReader(file)
+
+
+@needs_converter
+def test_real_conversion_writes_a_mixtral_gguf(tmp_path):
+    code, text = run("build", sentencepiece_moe(tmp_path), tmp_path / "out", "--gguf", "f32")
+    assert code == 0, text
+    reader = gguf_reader(tmp_path / "out" / "model-f32.gguf")
     assert int(reader.fields["llama.expert_count"].parts[-1][0]) == 3
     shapes = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
     assert shapes["blk.0.ffn_gate_exps.weight"] == (32, 64, 3)  # ggml order: hidden, ffn, E
+
+
+@needs_converter
+def test_a_shrunk_moe_converts_with_its_experts_intact(tmp_path):
+    """`moemerge shrink` 4 -> 2 experts, then llama.cpp's converter: the GGUF has 2 experts,
+    and every kept expert's weights and each router are the shrunk checkpoint's, bit for bit
+    in f32 (no repair, so the router rows are the kept experts' own)."""
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    from moemerge.api import build
+    from moemerge.assemble.gguf import find_converter, write_gguf
+
+    moe = tmp_path / "moe"
+    build(sentencepiece_moe(tmp_path, count=4), moe, progress=False, verify="structure")
+    (tmp_path / "calib.txt").write_text(TEXT * 40)
+    code, text = run("shrink", moe, tmp_path / "out", "--experts", "2", "--no-repair",
+                     "--calibration", tmp_path / "calib.txt", "--seq-len", "32")
+    assert code == 0, text
+    shrunk = {n: t for f in (tmp_path / "out").glob("*.safetensors") for n, t in
+              load_file(f).items()}
+    reader = gguf_reader(write_gguf(tmp_path / "out", "f32", find_converter(None)))
+    assert int(reader.fields["llama.expert_count"].parts[-1][0]) == 2
+    found = {t.name: np.asarray(t.data) for t in reader.tensors}
+    name = "model.layers.{}.block_sparse_moe.{}"
+    for layer in range(2):
+        gate = torch.stack([shrunk[name.format(layer, f"experts.{e}.w1.weight")]
+                            for e in range(2)])  # [E, I, H], as ggml stores [H, I, E]
+        assert np.array_equal(found[f"blk.{layer}.ffn_gate_exps.weight"], gate.numpy())
+        assert np.array_equal(found[f"blk.{layer}.ffn_gate_inp.weight"],
+                              shrunk[name.format(layer, "gate.weight")].numpy())
 
 
 def test_a_layout_llama_cpp_cannot_convert_is_refused_before_any_tensor_is_read(

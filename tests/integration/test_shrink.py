@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 import yaml
-from conftest import TEXT, perturbed_copy, write_recipe
+from conftest import TEXT, needs_class, perturbed_copy, write_recipe
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
@@ -69,8 +69,11 @@ def run(moe, out, calib, **fields):
     return shrink(recipe, out, recipe_dir=moe.parent, recipe_text=yaml.safe_dump(data))
 
 
+FLEX_OLMO = pytest.param("olmo2", "none", marks=needs_class("FlexOlmoForCausalLM"))
+
+
 @pytest.mark.parametrize("family,shared", [("llama", "none"), ("qwen2", "base"),
-                                           ("qwen3", "none")])
+                                           ("qwen3", "none"), FLEX_OLMO])
 @pytest.mark.parametrize("method", ["prune", "merge"])
 def test_keeping_every_expert_changes_nothing(family, shared, method, model_factory, tmp_path,
                                               calib):
@@ -170,7 +173,7 @@ def test_pruning_one_expert_removes_the_least_salient(model_factory, tmp_path, c
 
 
 @pytest.mark.parametrize("family,shared", [("llama", "none"), ("qwen2", "base"),
-                                           ("qwen3", "none"), ("granite", "none")])
+                                           ("qwen3", "none"), ("granite", "none"), FLEX_OLMO])
 @pytest.mark.parametrize("method", ["prune", "merge"])
 def test_shrunk_moe_loads_and_generates(family, shared, method, model_factory, tmp_path, calib):
     moe = make_moe(tmp_path, model_factory(family), shared=shared)
