@@ -36,6 +36,11 @@ def shrink(
         "--saliency", help="reap: mean over the tokens routed to an expert of gate weight "
         "times the norm of the vector the expert computes (REAP, Lasby et al. 2025). "
         "frequency: its share of the top-k slots.")] = "reap",
+    merge_method: Annotated[str, typer.Option(
+        "--merge-method", help="With --method merge: how a group's experts become one. "
+        "weighted: their saliency-weighted mean; or a merge method that needs no base model "
+        "(karcher, multislerp, average; slerp and nuslerp for groups of two), given the "
+        "saliency weights where it takes weights.")] = "weighted",
     no_repair: Annotated[bool, typer.Option(
         "--no-repair", help="Keep the kept (or frequency-averaged) router rows instead of "
         "refitting each router to the original model's routing.")] = False,
@@ -64,9 +69,8 @@ def shrink(
     from moemerge.shrink import shrink as run_shrink
 
     data = {"kind": "shrink", "model": str(model), "method": method, "saliency": saliency,
-            "repair": not no_repair, "calibration": {"data": calibration,
-                                                     "max_tokens": max_tokens,
-                                                     "seq_len": seq_len}}
+            "merge_method": merge_method, "repair": not no_repair,
+            "calibration": {"data": calibration, "max_tokens": max_tokens, "seq_len": seq_len}}
     data |= {k: v for k, v in (("experts", experts), ("ratio", ratio)) if v is not None}
     recipe = parse_recipe(data, "options")
     if not model.is_dir():

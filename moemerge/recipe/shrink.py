@@ -10,10 +10,19 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from moemerge.merge.registry import REGISTRY
 from moemerge.recipe.models import CalibrationText, ModelRef, _RecipeBase, _refs_from_str
 
 Method = Literal["prune", "merge"]
 Saliency = Literal["reap", "frequency"]
+WEIGHTED = "weighted"
+
+
+def group_methods() -> list[str]:
+    """What `merge_method` takes: the saliency-weighted mean, or a registry method that merges
+    two or more models with no base (an MoE's experts have no common base on disk)."""
+    return [WEIGHTED, *(name for name, spec in REGISTRY.items() if spec.target is not None
+                        and not spec.needs_base and (spec.max_models or 2) >= 2)]
 
 
 class ShrinkRecipe(_RecipeBase):
@@ -31,12 +40,25 @@ class ShrinkRecipe(_RecipeBase):
                                "al. 2025); frequency: share of the top-k slots.")
     calibration: CalibrationText = Field(description="The text the statistics (and the router "
                                          "repair) are computed on.")
+    merge_method: str = Field(default=WEIGHTED, description="merge: how a group's experts "
+                              "become one: weighted (their saliency-weighted mean), or a merge "
+                              "method that needs no base (karcher, multislerp, average; slerp "
+                              "and nuslerp for groups of two), given the saliency weights "
+                              "where it takes weights.")
     repair: bool = Field(default=True, description="Refit each router by ridge regression to "
                          "the original model's routing mapped onto the kept experts.")
     merge_sample: int = Field(default=512, ge=1, le=2**20, description="merge: tokens per "
                               "layer on which every expert's output is compared.")
 
     _model_ref = field_validator("model", mode="before")(_refs_from_str)
+
+    @field_validator("merge_method")
+    @classmethod
+    def _group_method(cls, value: str) -> str:
+        if value not in group_methods():
+            raise ValueError(f"{value!r} cannot merge a group of experts: give one of "
+                             f"{', '.join(group_methods())}")
+        return value
 
     @property
     def inputs(self) -> list[ModelRef]:
@@ -48,6 +70,8 @@ class ShrinkRecipe(_RecipeBase):
         if (self.experts is None) == (self.ratio is None):
             raise ValueError("experts: give the experts kept per layer (`experts: K`) or a "
                              "share of them (`ratio: r`), not both")
+        if self.merge_method != WEIGHTED and self.method != "merge":
+            raise ValueError(f"merge_method: {self.merge_method} applies to method: merge only")
         return self
 
     def kept(self, num_experts: int) -> int:

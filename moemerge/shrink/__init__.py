@@ -40,7 +40,7 @@ from moemerge.shrink.merge import merge
 from moemerge.shrink.prune import Grouping, prune
 from moemerge.shrink.repair import repair_routers
 from moemerge.shrink.stats import collect_stats
-from moemerge.shrink.write import shrunk_config, shrunk_tensors
+from moemerge.shrink.write import check_group_sizes, shrunk_config, shrunk_tensors
 from moemerge.train.calibration import calibration_windows
 
 __all__ = ["Shrunk", "input_model", "shrink"]
@@ -114,7 +114,8 @@ def shrink(recipe: ShrinkRecipe, out: Path, *, recipe_dir: Path, recipe_text: st
             stats = collect_stats(model, reader, layout, config, ids, recipe.merge_sample)
             del model
         groupings = _groupings(stats, recipe, kept)
-        tensors = shrunk_tensors(reader, layout, groupings)
+        check_group_sizes(groupings, recipe.merge_method)
+        tensors = shrunk_tensors(reader, layout, groupings, recipe.merge_method)
         size = sum(t.dtype.itemsize * math.prod(t.shape) for t in tensors)
         with atomic_output_dir(out, force=force, size=size) as tmp:
             with stage("writing"):

@@ -34,7 +34,9 @@ def shrink_json(moe: Path, recipe: ShrinkRecipe, before: int, groupings: dict[in
         })
     return json.dumps({
         "schema": SCHEMA, "model": str(moe), "method": recipe.method,
-        "saliency": recipe.saliency, "repair": recipe.repair, "experts_before": before,
+        "saliency": recipe.saliency, **({"merge_method": recipe.merge_method}
+                                         if recipe.method == "merge" else {}),
+        "repair": recipe.repair, "experts_before": before,
         "experts_after": next(iter(groupings.values())).kept if groupings else before,
         "calibration_tokens": tokens, "notes": notes, "layers": layers,
     }, indent=1) + "\n"
@@ -44,7 +46,7 @@ def readme(moe: Path, recipe: ShrinkRecipe, before: int, kept: int,
            groupings: dict[int, Grouping], notes: list[str]) -> str:
     how = ("the most salient experts of each layer kept" if recipe.method == "prune" else
            "each layer's experts clustered by the similarity of their outputs and each "
-           "cluster averaged into one")
+           f"cluster merged into one ({recipe.merge_method})")
     lines = [f"# {moe.name}, shrunk to {kept} of {before} experts per layer", "",
              f"Written by `moemerge shrink` from `{moe}`: {how} (saliency: {recipe.saliency}; "
              f"router repair: {'on' if recipe.repair else 'off'}). `shrink.json` holds, per "

@@ -14,29 +14,52 @@ import torch
 from moemerge.architectures.tables import MoELayout
 from moemerge.assemble.extract.plan import DenseTensor, Extraction
 from moemerge.assemble.extract.token_routed import name_pattern
+from moemerge.errors import RecipeError
 from moemerge.io.reader import CheckpointReader
+from moemerge.merge.dispatch import merge
+from moemerge.merge.registry import REGISTRY
+from moemerge.recipe.shrink import WEIGHTED
 from moemerge.shrink.prune import Grouping
 
 
-def _combined(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
-    """Σ w_i · t_i in fp32, cast back to the tensors' dtype; one tensor: itself."""
+def _combined(tensors: list[torch.Tensor], weights: list[float],
+              method: str = WEIGHTED) -> torch.Tensor:
+    """Σ w_i · t_i in fp32 (or `method` from the registry, given the weights where it takes
+    them), cast back to the tensors' dtype; one tensor: itself."""
     if len(tensors) == 1:
         return tensors[0]
+    if method != WEIGHTED:
+        spec = REGISTRY[method]
+        return merge(method, base=None, tensors=[t.float() for t in tensors],
+                     weights=weights if spec.weights else None, dtype=tensors[0].dtype)
     total = sum(w * t.float() for w, t in zip(weights, tensors, strict=True))
     return total.to(tensors[0].dtype)
 
 
-def _rows(tensor: torch.Tensor, grouping: Grouping, rows: bool) -> torch.Tensor:
-    """tensor [E, ...] -> [K, ...] along the expert axis."""
+def check_group_sizes(groupings: dict[int, Grouping], method: str) -> None:
+    """A RecipeError before anything is written when `method` cannot take a group's size."""
+    most = None if method == WEIGHTED else REGISTRY[method].max_models
+    for layer, grouping in groupings.items():
+        big = max(len(g) for g in grouping.groups)
+        if most is not None and big > most:
+            raise RecipeError(f"merge_method: {method} merges at most {most} experts, and "
+                              f"layer {layer} groups {big} of them; keep more experts or use "
+                              "weighted, karcher or multislerp")
+
+
+def _rows(tensor: torch.Tensor, grouping: Grouping, rows: bool,
+          method: str = WEIGHTED) -> torch.Tensor:
+    """tensor [E, ...] -> [K, ...] along the expert axis: router rows by their weighted mean,
+    fused expert weights by `method`."""
     weights = grouping.row_weights if rows else grouping.weights
-    return torch.stack([_combined([tensor[e] for e in g], w)
+    return torch.stack([_combined([tensor[e] for e in g], w, WEIGHTED if rows else method)
                         for g, w in zip(grouping.groups, weights, strict=True)])
 
 
-def shrunk_tensors(reader: CheckpointReader, layout: MoELayout,
-                   groupings: dict[int, Grouping]) -> list[DenseTensor]:
+def shrunk_tensors(reader: CheckpointReader, layout: MoELayout, groupings: dict[int, Grouping],
+                   method: str = WEIGHTED) -> list[DenseTensor]:
     """Every output tensor, in the input's order (a layer's new experts where its old ones
-    were)."""
+    were); a group's experts combined by `method` (the recipe's merge_method)."""
     expert = name_pattern(layout.expert)
     router = name_pattern(layout.router)
     fused = [name_pattern(t) for t in layout.fused]
@@ -52,7 +75,7 @@ def shrunk_tensors(reader: CheckpointReader, layout: MoELayout,
                                                          groupings[layer].weights, strict=True)):
                     def make(layer=layer, proj=proj, group=group, weights=weights):
                         return _combined([reader.read(layout.expert_name(layer, e, proj))
-                                          for e in group], weights)
+                                          for e in group], weights, method)
                     out.tensors.append(DenseTensor(layout.expert_name(layer, j, proj),
                                                    meta.dtype, meta.shape, make))
             continue
@@ -62,7 +85,8 @@ def shrunk_tensors(reader: CheckpointReader, layout: MoELayout,
             grouping, is_router = groupings[int(match["layer"])], match.re is router
             out.tensors.append(DenseTensor(
                 name, meta.dtype, (grouping.kept, *meta.shape[1:]),
-                lambda name=name, g=grouping, r=is_router: _rows(reader.read(name), g, r)))
+                lambda name=name, g=grouping, r=is_router: _rows(reader.read(name), g, r,
+                                                                 method)))
             continue
         out.copy(reader, name)
     return out.tensors

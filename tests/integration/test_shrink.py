@@ -116,6 +116,38 @@ def test_merging_two_identical_experts_is_exact(model_factory, tmp_path, calib):
     assert (logits(tmp_path / "repaired") - logits(moe)).abs().max() < 1.0
 
 
+def test_a_group_merged_by_a_registry_method_is_that_method_of_its_members(
+        model_factory, tmp_path, calib):
+    """merge_method karcher: K = 3 of 4 merges one pair per layer; the merged expert is the
+    registry's karcher mean of the pair's weights (with their saliency weights), the rest
+    copies; slerp cannot take a group of three, and prune takes no merge_method."""
+    from moemerge.merge.dispatch import merge
+
+    moe = make_moe(tmp_path, model_factory("llama"))
+    run(moe, tmp_path / "out", calib, method="merge", merge_method="karcher", repair=False)
+    card = json.loads((tmp_path / "out" / "shrink.json").read_text())
+    original, out = tensors(moe), tensors(tmp_path / "out")
+    name = "model.layers.{}.block_sparse_moe.experts.{}.w2.weight"
+    for layer in card["layers"]:
+        for j, (group, weights) in enumerate(zip(layer["groups"], layer["weights"],
+                                                 strict=True)):
+            members = [original[name.format(layer["layer"], e)] for e in group]
+            expected = members[0] if len(group) == 1 else merge(
+                "karcher", base=None, tensors=members, weights=weights)
+            torch.testing.assert_close(out[name.format(layer["layer"], j)], expected)
+            if len(group) > 1:  # not the weighted mean the default gives
+                mean = sum(w * m for w, m in zip(weights, members, strict=True))
+                assert (out[name.format(layer["layer"], j)] - mean).abs().max() > 1e-4
+        assert sorted(map(len, layer["groups"])) == [1, 1, 2]
+    with pytest.raises(RecipeError, match="slerp merges at most 2 experts"):
+        run(moe, tmp_path / "slerp", calib, experts=1, method="merge", merge_method="slerp")
+    with pytest.raises(RecipeError, match="merge_method: karcher applies to method: merge"):
+        run(moe, tmp_path / "pruned", calib, merge_method="karcher")
+    with pytest.raises(RecipeError, match="'ties' cannot merge a group of experts"):
+        run(moe, tmp_path / "ties", calib, method="merge", merge_method="ties")
+    assert not any((tmp_path / d).exists() for d in ("slerp", "pruned", "ties"))
+
+
 def plain_reap(moe, text_ids, layer, num_experts, top_k):
     """REAP of each expert of `layer`, computed with the model's own modules: mean over the
     tokens routed to e of (renormalised top-k weight) × ‖FFN_e(x)‖."""
