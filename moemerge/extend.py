@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 
 from moemerge.analysis.routing import expert_labels
-from moemerge.assemble.extend import seq_routed
+from moemerge.assemble.extend import merged, seq_routed
 from moemerge.assemble.extend.recipe import (
     REBUILD,
     NewExpert,
@@ -42,7 +42,7 @@ from moemerge.eval.perplexity import load_tokenizer
 from moemerge.io.atomic import RECIPE_COPY, SIDE_FILES, atomic_output_dir, copy_side_files
 from moemerge.io.reader import CheckpointReader, read_config
 from moemerge.io.writer import ShardedWriter, overwrite_tensors, parse_size
-from moemerge.modeling import is_sequence_routed
+from moemerge.modeling import is_merged_experts, is_sequence_routed
 from moemerge.plan.sources import open_sources
 from moemerge.recipe.models import CalibrationSpec, ModelRef
 from moemerge.routing.calibrate import Calibration, calibrate_token_routers
@@ -130,19 +130,20 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
 
 def _assembly(config: dict, moe: Path):
     """The module that grows this kind: assemble/extend/seq_routed.py or merged.py."""
+    if is_merged_experts(config):
+        return merged
     if is_sequence_routed(config):
         seq_routed.refuse_other(config, moe)
         return seq_routed
     raise CheckpointError(f"{moe}: model_type {config.get('model_type')!r}: extend grows an MoE "
                           "that `moemerge build` made: token_routed (Mixtral, Qwen2-MoE, "
-                          "Qwen3-MoE, FlexOlmo, GraniteMoE) or seq_routed; merged_experts is not "
-                          "supported yet")
+                          "Qwen3-MoE, FlexOlmo, GraniteMoE), seq_routed or merged_experts")
 
 
 def _extend_assembly(moe: Path, out: Path, experts: list[Path], config: dict, *,
                      names: list[str] | None, calibration: list[str] | None, keep_shared: bool,
                      recalibrate: bool, force: bool, verify: bool) -> Extended:
-    """seq_routed: build keeps no router statistics for it, so a
+    """seq_routed and merged_experts: build keeps no router statistics for them, so a
     calibrated router is calibrated again on all the text (--recalibrate); every other router
     is the random draw a rebuild makes."""
     kind = _assembly(config, moe)
@@ -187,7 +188,7 @@ def _extend_assembly(moe: Path, out: Path, experts: list[Path], config: dict, *,
         with atomic_output_dir(out, force=force, size=size) as tmp:
             _write(tmp, moe, tensors, grown, recipe.output.max_shard_size,
                    extended_recipe_text(data, new, keep_shared),
-                   _card(moe, old, new, calibrated, config["assembly"]))
+                   _card(moe, old, new, calibrated, config.get("assembly", "merged_experts")))
             copy_modeling_code(tmp)
             if cal is not None:  # build's calibration, on the grown model
                 overwrite_tensors(tmp, kind.calibrated_routers(model_as_stored(tmp), cal))
@@ -269,6 +270,8 @@ def _card(moe: Path, old: list[str], new: list[NewExpert], recalibrate: bool,
     what, joined = {
         "token_routed": ("token-routed", "FFNs added in every layer"),
         "seq_routed": ("seq_routed", "whole decoder stacks added as experts"),
+        "merged_experts": ("merged_experts", "FFN weights added to every layer's experts "
+                                             "(curvature at the identity)"),
     }[kind]
     router = "every router" if kind != "seq_routed" else "the router"
     return (f"# `{moe.name}` extended by {', '.join(e.name for e in new)}\n\n"

@@ -1,4 +1,4 @@
-"""`moemerge extend` of seq_routed MoEs: two experts grown by a third, compared
+"""`moemerge extend` of seq_routed and merged_experts MoEs: two experts grown by a third, compared
 with a from-scratch build of the recipe copy extend writes (every tensor bit for bit, the
 routers within 1e-6 relative), and the new expert checked against a plain reference: the MoE
 forced to it computes the new expert's own dense logits. Three planted domains, three distinct
@@ -173,6 +173,50 @@ def test_seq_routed_training_free_routers_keep_the_shared_tensors(sources, route
         assert model(input_ids=IDS).routing_weights.shape == (2, 3)
 
 
+def merged_forced(expert: int, count: int):
+    fixed = torch.zeros(count)
+    fixed[expert] = 1.0
+
+    def patch(model):
+        for mlp in model.mlps():
+            mlp.scores = lambda h: fixed.expand(*h.shape[:2], count)
+    return patch
+
+
+def test_merged_experts_calibrated_camex(sources, tmp_path):
+    """Kronecker curvature (the new slots at the identity, as build writes every expert's),
+    calibrated routers (--recalibrate), backbone merged by average (--keep-shared). With α 1,
+    no mask and M = I, the MoE at scores one-hot(new) is the new expert's FFN on the MoE's
+    backbone: a dense Llama written here from the new expert's FFN and the backbone."""
+    two, three, rebuilt = grow(sources, "merged-cal", [
+        "assembly: merged_experts", "segment_length: 4",
+        "curvature: {kind: kronecker, rank: 2}", "router: {init: calibrate}"],
+        "--keep-shared", "--recalibrate", calibrated=True)
+    compare_with_rebuild(two, three, rebuilt, "merged_experts CAMEx calibrate")
+    mine = tensors(three)
+    new_slot = mine["model.layers.1.mlp.curvature.down_proj.A"][2]
+    assert torch.equal(new_slot, torch.eye(new_slot.shape[-1]).expand_as(new_slot))
+    marks = sources[2]["marks"]
+    backbone = [n for n in load_file(marks / "model.safetensors") if ".mlp." not in n]
+    want = dense_logits(with_tensors_of(marks, mine, {n: n for n in backbone},
+                                        tmp_path / "reference"))
+    gap = float((logits(three, merged_forced(2, 3)) - want).abs().max())
+    print(f"merged_experts at scores one-hot(new): max |Δlogit| against the plain reference "
+          f"{gap:.1e}")
+    assert gap <= 1e-5
+    assert (logits(three, merged_forced(1, 3)) - want).abs().max() > 1e-3
+    assert generate_in_fresh_process(three, tmp_path) == ["8", "moemerge_merged"]
+
+
+def test_merged_experts_dynamic_ties_random_router(sources):
+    """SMEAR-style (no curvature), TIES-CA mask, dynamic E_m, random routers (not calibrated:
+    the grown routers are a rebuild's random draw)."""
+    two, three, rebuilt = grow(sources, "merged-dyn", [
+        "assembly: merged_experts", "segment_length: 4", "curvature: {kind: none}",
+        "mask: {kind: ties}", "dynamic: true"], "--keep-shared", calibrated=False)
+    compare_with_rebuild(two, three, rebuilt, "merged_experts dynamic TIES random")
+
+
 def test_refusals_say_what_to_do(sources, model_factory, tmp_path):
     root, _, experts = sources
     calibrated = built(sources, "seq-cal", SEQ_CALIBRATED, calibrated=True)
@@ -194,7 +238,7 @@ def test_refusals_say_what_to_do(sources, model_factory, tmp_path):
         code, out = run(free, "--expert", str(other), "--keep-shared")
         assert code == 1 and "same base" in out, out
     code, out = run(experts["marks"], *marks)  # a dense model
-    assert code == 1 and "or seq_routed" in out, out
+    assert code == 1 and "seq_routed or merged_experts" in out, out
     bare = perturbed_copy(free, tmp_path / "bare", scale=0.0, seed=0)
     (bare / RECIPE_COPY).unlink()
     code, out = run(bare, *marks, "--keep-shared")
