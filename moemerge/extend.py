@@ -1,5 +1,7 @@
-"""`moemerge extend`: new experts joined to a token-routed MoE that `moemerge build` calibrated,
-without rebuilding it (docs/extend.md).
+"""`moemerge extend`: new experts joined to an MoE that `moemerge build` made, without
+rebuilding it (docs/extend.md): a calibrated token-routed MoE (below), or a seq_routed /
+merged_experts one (assemble/extend/seq_routed.py, merged.py: the new stack or FFN weights join,
+each router is a rebuild's: its random draw, or calibrated again on all the text).
 
 The MoE's tensors are copied with the new experts' FFNs added in every layer. The routers are
 refitted from the ridge statistics the build kept (routing/statistics.py) plus the new
