@@ -5,6 +5,7 @@ forced to it computes the new expert's own dense logits. Three planted domains, 
 perturbed experts (test_extend.py's)."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -55,6 +56,8 @@ def built(sources, name: str, settings: list[str], *, calibrated: bool):
 SEQ_CALIBRATED = ["assembly: seq_routed", "per_expert: [embed, lm_head]",
                   "router: {kind: learned, init: calibrate}"]
 SEQ_PERPLEXITY = ["assembly: seq_routed", "router: {kind: perplexity}"]
+MERGED_DYNAMIC = ["assembly: merged_experts", "segment_length: 4", "curvature: {kind: none}",
+                  "mask: {kind: ties}", "dynamic: true"]
 
 
 def grow(sources, name: str, settings: list[str], *options: str, calibrated: bool):
@@ -64,11 +67,15 @@ def grow(sources, name: str, settings: list[str], *options: str, calibrated: boo
     two = built(sources, name, settings, calibrated=calibrated)
     three, rebuilt = root / f"{name}-three", root / f"{name}-rebuilt"
     text = ["--calibration", f"marks={root}/marks.txt"] if calibrated else []
+    start = time.perf_counter()
     done = CliRunner().invoke(app, ["extend", str(two), str(three), "--expert",
                                     str(experts["marks"]), "--name", "marks", *text, *options])
+    extended = time.perf_counter() - start
     assert done.exit_code == 0, done.output
+    start = time.perf_counter()
     build(write_recipe(root / f"{name}-rebuild.yaml", (three / RECIPE_COPY).read_text()),
           rebuilt, progress=False)
+    print(f"{name}: extend {extended:.2f} s, rebuild {time.perf_counter() - start:.2f} s")
     return two, three, rebuilt
 
 
@@ -211,9 +218,8 @@ def test_merged_experts_calibrated_camex(sources, tmp_path):
 def test_merged_experts_dynamic_ties_random_router(sources):
     """SMEAR-style (no curvature), TIES-CA mask, dynamic E_m, random routers (not calibrated:
     the grown routers are a rebuild's random draw)."""
-    two, three, rebuilt = grow(sources, "merged-dyn", [
-        "assembly: merged_experts", "segment_length: 4", "curvature: {kind: none}",
-        "mask: {kind: ties}", "dynamic: true"], "--keep-shared", calibrated=False)
+    two, three, rebuilt = grow(sources, "merged-dyn", MERGED_DYNAMIC, "--keep-shared",
+                               calibrated=False)
     compare_with_rebuild(two, three, rebuilt, "merged_experts dynamic TIES random")
 
 
@@ -247,4 +253,16 @@ def test_refusals_say_what_to_do(sources, model_factory, tmp_path):
     (trained / "training").mkdir()
     code, out = run(trained, *marks, "--keep-shared")
     assert code == 1 and "extend the model `build` wrote" in out, out
+    exported = perturbed_copy(built(sources, "merged-dyn", MERGED_DYNAMIC, calibrated=False),
+                              tmp_path / "exported", scale=0.0, seed=0)
+    config = json.loads((exported / "config.json").read_text())
+    (exported / "config.json").write_text(json.dumps(dict(config, mask="none")))
+    code, out = run(exported, *marks, "--keep-shared")
+    assert code == 2 and "changed since `moemerge build` wrote it" in out, out
+    bridged = tmp_path / "bridged"
+    build(write_recipe(tmp_path / "bridged.yaml", "kind: moe\nassembly: bridged\nexperts: "
+                       f"[{experts['letters']}, {experts['digits']}]\n"), bridged,
+          progress=False, verify="structure")
+    code, out = run(bridged, *marks)
+    assert code == 1 and "bridged" in out, out
     assert not (tmp_path / "out").exists()

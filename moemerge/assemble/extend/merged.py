@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from moemerge.assemble.extend.recipe import depends_on_experts, loss_targets_error
-from moemerge.assemble.extract.plan import DenseTensor, write_order
+from moemerge.assemble.extract.plan import DenseTensor, config_dtype, write_order
 from moemerge.errors import MismatchError, RecipeError
 from moemerge.execute import compute
 from moemerge.io.reader import CheckpointReader
@@ -57,7 +57,7 @@ def new_expert_jobs(recipe: MergedExpertsRecipe, config: dict, model: int, sourc
                     index: int) -> list[Job]:
     """Expert `index`'s FFN copies, as plan/merged.py's _ffn_jobs makes an expert's, from
     `source` (plan index `model`)."""
-    dtype = getattr(torch, config["torch_dtype"])
+    dtype = config_dtype(config)
     jobs = []
     for name, role in source.roles.items():
         if role.role != "ffn":
