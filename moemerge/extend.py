@@ -112,15 +112,8 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
         tensors = extended_tensors(reader, layout, config, readers)
         size = sum(t.dtype.itemsize * math.prod(t.shape) for t in tensors)
         with atomic_output_dir(out, force=force, size=size) as tmp:
-            planned = [(t.name, t.dtype, t.shape) for t in tensors]
-            with ShardedWriter(tmp, planned, max_shard_bytes=parse_size(
-                    recipe.output.max_shard_size)) as writer:
-                for t in tensors:
-                    writer.write(t.name, t.make().to(t.dtype).contiguous())
-            (tmp / "config.json").write_text(json.dumps(grown, indent=2) + "\n")
-            copy_side_files(moe, tmp, SIDE_FILES)
-            (tmp / RECIPE_COPY).write_text(recipe_text)
-            (tmp / "README.md").write_text(_card(moe, old, new, recalibrate))
+            _write(tmp, moe, tensors, grown, recipe.output.max_shard_size, recipe_text,
+                   _card(moe, old, new, recalibrate))
             routers, stats = _fit_routers(model_as_stored(tmp), cal, stored, windows)
             overwrite_tensors(tmp, {layout.router_name(layer): router
                                     for layer, router in routers.items()})
