@@ -1,5 +1,7 @@
-"""`moemerge extend`: new experts joined to a token-routed MoE that `moemerge build` calibrated,
-without rebuilding it (docs/extend.md).
+"""`moemerge extend`: new experts joined to an MoE that `moemerge build` made, without
+rebuilding it (docs/extend.md): a calibrated token-routed MoE (below), or a seq_routed /
+merged_experts one (assemble/extend/seq_routed.py, merged.py: the new stack or FFN weights join,
+each router is a rebuild's: its random draw, or calibrated again on all the text).
 
 The MoE's tensors are copied with the new experts' FFNs added in every layer. The routers are
 refitted from the ridge statistics the build kept (routing/statistics.py) plus the new
@@ -22,6 +24,7 @@ from types import SimpleNamespace
 import torch
 
 from moemerge.analysis.routing import expert_labels
+from moemerge.assemble.extend import merged, seq_routed
 from moemerge.assemble.extend.recipe import (
     REBUILD,
     NewExpert,
@@ -30,16 +33,20 @@ from moemerge.assemble.extend.recipe import (
     extended_recipe_text,
     loss_targets_error,
     new_experts,
+    recipe_copy,
 )
 from moemerge.assemble.extend.tensors import check_expert, extended_tensors
 from moemerge.assemble.extract.token_routed import token_layout
+from moemerge.assemble.remote_code import copy_modeling_code
 from moemerge.assemble.verify import FULL_LOAD_LIMIT, check_loads
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.eval.perplexity import load_tokenizer
 from moemerge.io.atomic import RECIPE_COPY, SIDE_FILES, atomic_output_dir, copy_side_files
 from moemerge.io.reader import CheckpointReader, read_config
 from moemerge.io.writer import ShardedWriter, overwrite_tensors, parse_size
-from moemerge.recipe.models import CalibrationSpec
+from moemerge.modeling import is_merged_experts, is_sequence_routed
+from moemerge.plan.sources import open_sources
+from moemerge.recipe.models import CalibrationSpec, ModelRef
 from moemerge.routing.calibrate import Calibration, calibrate_token_routers
 from moemerge.routing.refit import refit_token_routers
 from moemerge.routing.statistics import (
@@ -49,7 +56,13 @@ from moemerge.routing.statistics import (
     load_statistics,
     save_statistics,
 )
-from moemerge.train.calibration import calibration_set, calibration_texts, model_as_stored
+from moemerge.train.calibration import (
+    calibrates,
+    calibration_set,
+    calibration_texts,
+    model_as_stored,
+)
+from moemerge.train.export import TRAINING_DIR
 
 __all__ = ["Extended", "extend_moe"]
 
@@ -73,9 +86,9 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
     config = read_config(moe)
     layout = token_layout(config)
     if layout is None:
-        raise CheckpointError(f"{moe}: model_type {config.get('model_type')!r}: extend grows a "
-                              "token_routed MoE (Mixtral, Qwen2-MoE, Qwen3-MoE, FlexOlmo, "
-                              "GraniteMoE); seq_routed and merged_experts are not supported")
+        return _extend_assembly(moe, out, experts, config, names=names,
+                                calibration=calibration, keep_shared=keep_shared,
+                                recalibrate=recalibrate, force=force, verify=verify)
     data, recipe = built_recipe(moe)
     stored, windows = (None, 0) if recalibrate else _stored_statistics(
         moe, config, layout.num_experts_key)
@@ -99,15 +112,8 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
         tensors = extended_tensors(reader, layout, config, readers)
         size = sum(t.dtype.itemsize * math.prod(t.shape) for t in tensors)
         with atomic_output_dir(out, force=force, size=size) as tmp:
-            planned = [(t.name, t.dtype, t.shape) for t in tensors]
-            with ShardedWriter(tmp, planned, max_shard_bytes=parse_size(
-                    recipe.output.max_shard_size)) as writer:
-                for t in tensors:
-                    writer.write(t.name, t.make().to(t.dtype).contiguous())
-            (tmp / "config.json").write_text(json.dumps(grown, indent=2) + "\n")
-            copy_side_files(moe, tmp, SIDE_FILES)
-            (tmp / RECIPE_COPY).write_text(recipe_text)
-            (tmp / "README.md").write_text(_card(moe, old, new, recalibrate))
+            _write(tmp, moe, tensors, grown, recipe.output.max_shard_size, recipe_text,
+                   _card(moe, old, new, recalibrate))
             routers, stats = _fit_routers(model_as_stored(tmp), cal, stored, windows)
             overwrite_tensors(tmp, {layout.router_name(layer): router
                                     for layer, router in routers.items()})
@@ -115,6 +121,87 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
             if verify and size <= FULL_LOAD_LIMIT:
                 check_loads(tmp)
     return Extended([label.label for label in labels], len(tensors), size)
+
+
+def _assembly(config: dict, moe: Path):
+    """The module that grows this kind: assemble/extend/seq_routed.py or merged.py."""
+    if is_merged_experts(config):
+        return merged
+    if is_sequence_routed(config):
+        seq_routed.refuse_other(config, moe)
+        return seq_routed
+    raise CheckpointError(f"{moe}: model_type {config.get('model_type')!r}: extend grows an MoE "
+                          "that `moemerge build` made: token_routed (Mixtral, Qwen2-MoE, "
+                          "Qwen3-MoE, FlexOlmo, GraniteMoE), seq_routed or merged_experts")
+
+
+def _extend_assembly(moe: Path, out: Path, experts: list[Path], config: dict, *,
+                     names: list[str] | None, calibration: list[str] | None, keep_shared: bool,
+                     recalibrate: bool, force: bool, verify: bool) -> Extended:
+    """seq_routed and merged_experts: build keeps no router statistics for them, so a
+    calibrated router is calibrated again on all the text (--recalibrate); every other router
+    is the random draw a rebuild makes."""
+    kind = _assembly(config, moe)
+    data, recipe = recipe_copy(moe, "add the experts to its recipe and build it")
+    recipe = kind.check_recipe(recipe, config, moe)
+    if (moe / TRAINING_DIR).exists():
+        raise CheckpointError(f"{moe}: trained by `moemerge finetune` after the build "
+                              f"({TRAINING_DIR}/): extend makes the build's routers and "
+                              "curvature for the grown expert set, which would drop the "
+                              "training; extend the model `build` wrote, then train again")
+    calibrated = calibrates(recipe)
+    if calibrated and not recalibrate:
+        raise CheckpointError(f"{moe}: its router was calibrated, and `build` keeps no router "
+                              f"statistics for {config.get('assembly')} models: pass "
+                              "--recalibrate (all the calibration text of the recipe copy, "
+                              "which must still exist, and the new experts' texts, calibrated "
+                              "again as build does)")
+    changing = kind.changing(recipe)
+    if changing and not keep_shared:
+        raise RecipeError(
+            f"{moe}: its shared tensors depend on the expert set ({', '.join(changing)}); "
+            "extend does not re-merge them: pass --keep-shared (they stay as built and the new "
+            "experts join the recipe copy with weight 0, so it rebuilds the same model), or "
+            "add the experts to the recipe and rebuild")
+    old = list(config["expert_names"])
+    new = new_experts(experts, names, calibration, old, need_text=calibrated)
+    labels = [SimpleNamespace(label=name) for name in [*old, *(e.name for e in new)]]
+    cal = (_calibration(moe, recipe.calibration, new, labels, old_text=True) if calibrated
+           else None)
+    with CheckpointReader(moe) as reader, ExitStack() as stack:
+        sources = open_sources([(e.name, ModelRef(model=str(e.path))) for e in new], None,
+                               allow_pickle=False, stack=stack, compatible=False)
+        jobs = []
+        for k, (e, source) in enumerate(zip(new, sources, strict=True)):
+            index = len(old) + k
+            made = kind.new_expert_jobs(recipe, config, k, source, index)
+            kind.check_expert(reader, config, source, made, index, f"--expert {e.path}")
+            jobs += made
+        grown = kind.grown_config(config, sources, [e.name for e in new])
+        tensors = kind.extended_tensors(reader, config, recipe, sources, jobs)
+        size = sum(t.dtype.itemsize * math.prod(t.shape) for t in tensors)
+        with atomic_output_dir(out, force=force, size=size) as tmp:
+            _write(tmp, moe, tensors, grown, recipe.output.max_shard_size,
+                   extended_recipe_text(data, new, keep_shared),
+                   _card(moe, old, new, calibrated, config.get("assembly", "merged_experts")))
+            copy_modeling_code(tmp)
+            if cal is not None:  # build's calibration, on the grown model
+                overwrite_tensors(tmp, kind.calibrated_routers(model_as_stored(tmp), cal))
+            if verify and size <= FULL_LOAD_LIMIT:
+                check_loads(tmp)
+    return Extended([label.label for label in labels], len(tensors), size)
+
+
+def _write(tmp: Path, moe: Path, tensors: list, config: dict, shard_size: str,
+           recipe_text: str, card: str) -> None:
+    planned = [(t.name, t.dtype, t.shape) for t in tensors]
+    with ShardedWriter(tmp, planned, max_shard_bytes=parse_size(shard_size)) as writer:
+        for t in tensors:
+            writer.write(t.name, t.make().to(t.dtype).contiguous())
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    copy_side_files(moe, tmp, SIDE_FILES)
+    (tmp / RECIPE_COPY).write_text(recipe_text)
+    (tmp / "README.md").write_text(card)
 
 
 def _calibration(moe: Path, spec: CalibrationSpec, new: list[NewExpert], labels: list,
@@ -168,12 +255,22 @@ def _stored_statistics(moe: Path, config: dict, count_key: str):
     return stored, windows
 
 
-def _card(moe: Path, old: list[str], new: list[NewExpert], recalibrate: bool) -> str:
+def _card(moe: Path, old: list[str], new: list[NewExpert], recalibrate: bool,
+          kind: str = "token_routed") -> str:
     routers = ("calibrated again on all the calibration text, the build's and the new "
                "experts', as a rebuild does" if recalibrate else "refitted from the build's "
                "ridge statistics and the new experts' calibration text")
+    if kind != "token_routed" and not recalibrate:
+        routers = "the random draw a rebuild makes (not calibrated)"
+    what, joined = {
+        "token_routed": ("token-routed", "FFNs added in every layer"),
+        "seq_routed": ("seq_routed", "whole decoder stacks added as experts"),
+        "merged_experts": ("merged_experts", "FFN weights added to every layer's experts "
+                                             "(curvature at the identity)"),
+    }[kind]
+    router = "every router" if kind != "seq_routed" else "the router"
     return (f"# `{moe.name}` extended by {', '.join(e.name for e in new)}\n\n"
-            f"Written by `moemerge extend` from the token-routed MoE `{moe}` (experts "
-            f"{', '.join(old)}): the same shared tensors and experts, the new experts' FFNs "
-            f"added in every layer, every router {routers}. `{RECIPE_COPY}` rebuilds it from "
+            f"Written by `moemerge extend` from the {what} MoE `{moe}` (experts "
+            f"{', '.join(old)}): the same shared tensors and experts, the new experts' {joined}, "
+            f"{router} {routers}. `{RECIPE_COPY}` rebuilds it from "
             "scratch with `moemerge build` (docs/extend.md).\n")

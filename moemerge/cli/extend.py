@@ -1,4 +1,5 @@
-"""`moemerge extend`: new experts joined to a token-routed MoE moemerge built, no rebuild."""
+"""`moemerge extend`: new experts joined to an MoE moemerge built (token_routed, seq_routed,
+merged_experts), no rebuild."""
 
 from __future__ import annotations
 
@@ -13,42 +14,51 @@ from moemerge.cli.app import app, out, reports_errors
 @app.command()
 @reports_errors
 def extend(
-    model: Annotated[Path, typer.Argument(help="A token_routed MoE built by `moemerge build` "
-                                          "with router.init: calibrate.", show_default=False)],
+    model: Annotated[Path, typer.Argument(help="An MoE built by `moemerge build`: token_routed "
+                                          "with router.init: calibrate, seq_routed or "
+                                          "merged_experts.", show_default=False)],
     output: Annotated[Path, typer.Argument(help="Where the extended MoE goes.",
                                            show_default=False)],
     expert: Annotated[list[Path], typer.Option(
         "--expert", help="A dense model fine-tuned from the MoE's base (repeat for several); "
-        "its FFN joins every layer as a new expert.", show_default=False)],
+        "its FFN joins every layer as a new expert (seq_routed: its whole decoder stack; "
+        "merged_experts: its FFN weights join every layer's experts).", show_default=False)],
     name: Annotated[list[str] | None, typer.Option(
         "--name", help="The new expert's name, one per --expert in order (default: its "
         "directory's name).", show_default=False)] = None,
     calibration: Annotated[list[str] | None, typer.Option(
         "--calibration", help="The new expert's calibration text, NAME=PATH (or a bare PATH "
         "per --expert in order), in the forms `finetune --data` reads. Without --recalibrate "
-        "only this text runs through the model.", show_default=False)] = None,
+        "only this text runs through the model. Only for calibrated routers.",
+        show_default=False)] = None,
     recalibrate: Annotated[bool, typer.Option(
         "--recalibrate", help="Exact: calibrate every router again, layer by layer as `build` "
         "does, on all the calibration text (the recipe copy's, which must still exist, and "
         "the new experts'): the routers a rebuild gets, for the old text's forwards. Without "
         "it, only layer 0's router is a rebuild's; deeper ones are fitted on the old model's "
-        "hidden states.")] = False,
+        "hidden states. Needed for a calibrated seq_routed or merged_experts router (build "
+        "keeps no statistics for them).")] = False,
     keep_shared: Annotated[bool, typer.Option(
-        "--keep-shared", help="Keep the shared attention, norms, embedding and head as built "
-        "(the old experts compute as before); needed when the recipe's merge reads every "
-        "expert (any method but `base`).")] = False,
+        "--keep-shared", help="Keep the shared tensors as built (token_routed and "
+        "merged_experts: attention, norms, embedding and head; seq_routed: the embedding and "
+        "head not kept per expert), so the old experts compute as before; needed when the "
+        "recipe's merge reads every expert (any method but `base`).")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
 ) -> None:
-    """Add experts to a token-routed MoE without rebuilding it.
+    """Add experts to an MoE that `moemerge build` made, without rebuilding it.
 
-    The MoE's tensors are copied and each new expert's FFN is added in every layer
-    (config.json's expert count grows). Every router is refitted in closed form from the
-    ridge statistics the build kept (router_stats.safetensors, written by `router.init:
-    calibrate`) plus the new experts' calibration text: the old calibration text is not read
-    again, and only layer 0's router is the one a rebuild gets. With --recalibrate every
-    router is calibrated again on all the text, as a rebuild does (exact; no tensor is
-    merged again). OUTPUT gets a recipe copy with the new experts appended, which `moemerge
-    build` rebuilds from scratch (docs/extend.md)."""
+    The MoE's tensors are copied and each new expert joins as expert E, E+1, ...:
+    token_routed, its FFN in every layer; seq_routed, its whole decoder stack (and its own
+    embedding and head with per_expert); merged_experts, its FFN weights in every layer's
+    expert stack, CAMEx curvature at the identity as build starts it. A token router is
+    refitted in closed form from the ridge statistics the build kept
+    (router_stats.safetensors, written by `router.init: calibrate`) plus the new experts'
+    calibration text: the old calibration text is not read again, and only layer 0's router
+    is the one a rebuild gets. With --recalibrate every router is calibrated again on all the
+    text, as a rebuild does (exact; no tensor is merged again). An uncalibrated router
+    (random, perplexity, task_vector) becomes the one a rebuild writes. OUTPUT gets a recipe
+    copy with the new experts appended, which `moemerge build` rebuilds from scratch
+    (docs/extend.md)."""
     from moemerge.extend import extend_moe
     from moemerge.io.atomic import sweep_output
     from moemerge.io.outputs import check_output, local_inputs

@@ -27,16 +27,21 @@ REBUILD = "rebuild it with `router.init: calibrate` (a `calibration` block, one 
 class NewExpert:
     name: str
     path: Path  # the dense model, absolute
-    text: str  # its calibration text (a path, absolute)
+    text: str  # its calibration text (a path, absolute; "" when the routers are not calibrated)
+
+
+def recipe_copy(moe: Path, rebuild: str = REBUILD) -> tuple[dict, object]:
+    """(the recipe copy as a mapping, parsed); a model without one was not built by moemerge."""
+    data = read_recipe_copy(moe)
+    if not data:
+        raise CheckpointError(f"{moe}: no {RECIPE_COPY}: not a model `moemerge build` made, so "
+                              f"its experts and routers are unknown; {rebuild}")
+    return data, parse_recipe(data, str(moe / RECIPE_COPY))
 
 
 def built_recipe(moe: Path) -> tuple[dict, MoERecipe]:
     """(the recipe copy as a mapping, parsed); refuses what extend cannot grow."""
-    data = read_recipe_copy(moe)
-    if not data:
-        raise CheckpointError(f"{moe}: no {RECIPE_COPY}: not a model `moemerge build` made, so "
-                              f"its experts and routers are unknown; {REBUILD}")
-    recipe = parse_recipe(data, str(moe / RECIPE_COPY))
+    data, recipe = recipe_copy(moe)
     if not isinstance(recipe, MoERecipe):
         kind = f"{recipe.kind} ({getattr(recipe, 'assembly', '')})".replace(" ()", "")
         raise RecipeError(f"{moe}: extend grows a token_routed kind: moe; this one is {kind}")
@@ -52,9 +57,10 @@ def built_recipe(moe: Path) -> tuple[dict, MoERecipe]:
 
 
 def new_experts(paths: list[Path], names: list[str] | None, texts: list[str] | None,
-                 old: list[str]) -> list[NewExpert]:
+                old: list[str], *, need_text: bool = True) -> list[NewExpert]:
     """Each --expert with its name (--name, else its directory's) and its calibration text
-    (--calibration: `name=path`, or one bare path per expert in order)."""
+    (--calibration: `name=path`, or one bare path per expert in order). need_text=False: the
+    routers are not calibrated, and --calibration is refused."""
     if not paths:
         raise RecipeError("give at least one --expert PATH")
     names = list(names or [Path(p).resolve().name for p in paths])
@@ -64,6 +70,13 @@ def new_experts(paths: list[Path], names: list[str] | None, texts: list[str] | N
     if taken:
         raise RecipeError(f"--name: {', '.join(sorted(set(taken)))} already names an expert "
                           f"(experts: {', '.join(old)}); give each new expert a new --name")
+    if not need_text:
+        if texts:
+            raise RecipeError("--calibration: this MoE's routers are not calibrated (no "
+                              "`calibration` block in its recipe copy), so no text is read; "
+                              "leave --calibration out")
+        _check_dirs(paths)
+        return [NewExpert(n, Path(p).resolve(), "") for n, p in zip(names, paths, strict=True)]
     given = list(texts or [])
     named = dict(t.split("=", 1) for t in given if "=" in t)
     bare = [t for t in given if "=" not in t]
@@ -75,11 +88,15 @@ def new_experts(paths: list[Path], names: list[str] | None, texts: list[str] | N
     if missing:
         raise RecipeError(f"--calibration: no text for {', '.join(missing)}: the routers are "
                           "refitted on each new expert's own text (--calibration NAME=PATH)")
+    _check_dirs(paths)
+    return [NewExpert(n, Path(p).resolve(), str(Path(by_name[n]).resolve()))
+            for n, p in zip(names, paths, strict=True)]
+
+
+def _check_dirs(paths: list[Path]) -> None:
     for path in paths:
         if not Path(path).is_dir():
             raise CheckpointError(f"--expert {path}: no such model directory")
-    return [NewExpert(n, Path(p).resolve(), str(Path(by_name[n]).resolve()))
-            for n, p in zip(names, paths, strict=True)]
 
 
 def loss_targets_error(moe: Path) -> RecipeError:
@@ -88,13 +105,14 @@ def loss_targets_error(moe: Path) -> RecipeError:
                        f"text; {REBUILD}, naming each text after its expert (name=path)")
 
 
-def depends_on_experts(recipe: MoERecipe) -> list[str]:
+def depends_on_experts(recipe) -> list[str]:
     """What, among the shared (non-FFN) tensors, a new expert would change: every merge
     method but `base` (which copies the base) reads each expert, and so does an `average`
-    shared expert."""
+    shared expert (token_routed)."""
     methods = {recipe.merge.method, *(o.method for o in recipe.merge.overrides if o.method)}
     found = [f"merge method {m}" for m in sorted(methods - {"base"})]
-    return found + (["shared_expert: average"] if recipe.shared_expert == "average" else [])
+    average = getattr(recipe, "shared_expert", None) == "average"
+    return found + (["shared_expert: average"] if average else [])
 
 
 def extended_recipe_text(data: dict, new: list[NewExpert], keep_shared: bool) -> str:
@@ -106,9 +124,11 @@ def extended_recipe_text(data: dict, new: list[NewExpert], keep_shared: bool) ->
         if keep_shared:
             entry["weight"] = 0
         experts.append(entry)
-    calibration = dict(data["calibration"])
-    old = calibration["data"]
-    calibration["data"] = [*([old] if isinstance(old, str) else old),
-                           *(f"{e.name}={e.text}" for e in new)]
-    data.update(experts=experts, calibration=calibration)
+    data.update(experts=experts)
+    if data.get("calibration"):  # routers not calibrated: no text to add
+        calibration = dict(data["calibration"])
+        old = calibration["data"]
+        calibration["data"] = [*([old] if isinstance(old, str) else old),
+                               *(f"{e.name}={e.text}" for e in new)]
+        data.update(calibration=calibration)
     return yaml.safe_dump(data, sort_keys=False)
