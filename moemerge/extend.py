@@ -110,8 +110,6 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
     old = expert_labels(moe, int(config[layout.num_experts_key]))
     new = new_experts(experts, names, calibration, old)
     labels = [SimpleNamespace(label=name) for name in [*old, *(e.name for e in new)]]
-    cal = _calibration(moe, recipe.calibration, new, labels, old_text=calibrating,
-                       remerging=remerging)
     recipe_text = extended_recipe_text(data, new, keep_shared) + STATS_NOTE
     grown = dict(config, **{layout.num_experts_key: len(labels)})
     with CheckpointReader(moe) as reader, ExitStack() as stack:
@@ -119,7 +117,9 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
         for e, r in zip(new, readers, strict=True):
             check_expert(reader, layout, config, r, f"--expert {e.path}")
         remerge = _shared_inputs(data, new, moe, out, remerging, stack)
-        _check_same_base(recipe, moe, remerge, new, readers, stack)
+        _check_same_base(recipe, moe, out, remerge, new, readers, stack)
+        cal = _calibration(moe, recipe.calibration, new, labels, old_text=calibrating,
+                           remerge=remerge)
         tensors = extended_tensors(reader, layout, config, readers)
         if remerge is not None:
             tensors = remerge.replace(tensors)
@@ -148,11 +148,14 @@ def _shared_inputs(data: dict, new: list[NewExpert], moe: Path, out: Path, remer
     return remerge
 
 
-def _check_same_base(recipe, moe: Path, remerge: Remerge | None, new: list[NewExpert],
-                     readers: list[CheckpointReader], stack: ExitStack) -> None:
-    """Each new expert against the recipe copy's base where it is at hand (else no check)."""
+def _check_same_base(recipe, moe: Path, out: Path, remerge: Remerge | None,
+                     new: list[NewExpert], readers: list[CheckpointReader],
+                     stack: ExitStack) -> None:
+    """Each new expert against the recipe copy's base where it is at hand (else no check); OUT
+    apart from that base (the output rule)."""
     base = remerge.base if remerge is not None else local_base(recipe, moe, stack)
     if base is not None:
+        check_output_apart(out, [("the base", base.path)])
         for e, r in zip(new, readers, strict=True):
             check_same_base(base, r, f"--expert {e.path}")
 
@@ -204,8 +207,6 @@ def _extend_assembly(moe: Path, out: Path, experts: list[Path], config: dict, *,
     old = list(config["expert_names"])
     new = new_experts(experts, names, calibration, old, need_text=calibrated)
     labels = [SimpleNamespace(label=name) for name in [*old, *(e.name for e in new)]]
-    cal = (_calibration(moe, recipe.calibration, new, labels, old_text=True,
-                        remerging=remerging) if calibrated else None)
     with CheckpointReader(moe) as reader, ExitStack() as stack:
         sources = open_sources([(e.name, ModelRef(model=str(e.path))) for e in new], None,
                                allow_pickle=False, stack=stack, compatible=False)
@@ -216,7 +217,9 @@ def _extend_assembly(moe: Path, out: Path, experts: list[Path], config: dict, *,
             kind.check_expert(reader, config, source, made, index, f"--expert {e.path}")
             jobs += made
         remerge = _shared_inputs(data, new, moe, out, remerging, stack)
-        _check_same_base(recipe, moe, remerge, new, [s.reader for s in sources], stack)
+        _check_same_base(recipe, moe, out, remerge, new, [s.reader for s in sources], stack)
+        cal = (_calibration(moe, recipe.calibration, new, labels, old_text=True,
+                            remerge=remerge) if calibrated else None)
         grown = kind.grown_config(config, sources, [e.name for e in new])
         tensors = kind.extended_tensors(reader, config, recipe, sources, jobs)
         if remerge is not None:
@@ -249,10 +252,13 @@ def _write(tmp: Path, moe: Path, tensors: list, config: dict, shard_size: str,
 
 
 def _calibration(moe: Path, spec: CalibrationSpec, new: list[NewExpert], labels: list,
-                 *, old_text: bool, remerging: bool = False) -> Calibration:
+                 *, old_text: bool, remerge: Remerge | None = None) -> Calibration:
     """The windows the routers are fitted on: the new experts' texts, after (old_text) the
     recipe copy's, read as `moemerge build MOE/moemerge_recipe.yaml` reads them (a relative
-    path next to MOE, else in the working directory): the windows and targets a rebuild has."""
+    path next to MOE, else in the working directory): the windows and targets a rebuild has.
+    Tokenized with MOE's tokenizer, or with a re-merge with the one build reads (its first
+    model's: a Qwen2 base's loads as Qwen2Tokenizer, MOE's copy under qwen2_moe does not)."""
+    remerging = remerge is not None
     texts = calibration_texts(spec.model_copy(update={
         "data": [f"{e.name}={e.text}" for e in new]}), moe)
     if old_text:
@@ -268,7 +274,8 @@ def _calibration(moe: Path, spec: CalibrationSpec, new: list[NewExpert], labels:
             raise RecipeError(f"{moe / RECIPE_COPY}: {exc}: --recalibrate reads the build's "
                               "calibration text again; restore it there, or extend without "
                               "--recalibrate (refit from the stored statistics)") from None
-    return calibration_set(spec, texts, load_tokenizer(moe), labels)
+    tokenizer = load_tokenizer(remerge.models[0].path if remerge is not None else moe)
+    return calibration_set(spec, texts, tokenizer, labels)
 
 
 def _fit_routers(model, cal: Calibration, stored: dict[int, LayerStatistics] | None,

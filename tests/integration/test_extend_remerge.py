@@ -60,8 +60,15 @@ def extend(sources, moe, out, *options, calibrated: bool = True, expert=None):
     return done.exit_code, " ".join(done.output.split())
 
 
+def backbone(name: str) -> bool:
+    """A shared tensor outside the experts' FFNs and the routers (every kind's names)."""
+    return (".mlp." not in name and "block_sparse_moe" not in name
+            and not name.startswith("experts.") and not name.endswith("router.weight"))
+
+
 def remerged_against_rebuild(sources, name: str, settings: list[str], *, calibrated: bool,
-                             routers: tuple[str, ...], keep: tuple[str, ...] = ()):
+                             routers: tuple[str, ...], keep: tuple[str, ...] = (),
+                             is_shared=backbone):
     """Extend by `marks` with neither flag, rebuild OUT's recipe copy, extend again with
     --keep-shared: every tensor of OUT is the rebuild's (torch.equal, routers included); the
     shared tensors differ from the --keep-shared output's. Returns (OUT, the note printed)."""
@@ -84,8 +91,7 @@ def remerged_against_rebuild(sources, name: str, settings: list[str], *, calibra
     code, keep_out = extend(sources, two, kept, "--keep-shared", *keep, calibrated=calibrated)
     assert code == 0 and "note:" not in keep_out, keep_out
     kept_tensors = tensors(kept)
-    shared = [n for n in kept_tensors if not n.endswith(routers) and ".mlp." not in n
-              and "block_sparse_moe" not in n and not n.startswith("experts.")]
+    shared = [n for n in kept_tensors if is_shared(n)]
     assert shared
     same = [n for n in shared if torch.equal(kept_tensors[n], mine[n])]
     assert not same, same  # every shared tensor re-merged (each expert perturbed everywhere)
@@ -165,3 +171,22 @@ def test_an_expert_of_another_initialisation_is_refused(sources, model_factory, 
                                              f"base_model: {tmp_path / 'gone-base'}\n"))
     code, out = extend(sources, baseless, tmp_path / "out", "--keep-shared", expert=other)
     assert code == 0, out  # the base is not at hand: no check, no error
+
+
+def test_qwen2_moe_average_shared_expert_remerge_is_the_rebuild(model_factory, tmp_path):
+    """merge.method: base (the backbone copies the base) with shared_expert: average: only the
+    shared expert's FFN depends on the expert set, and only it is merged again."""
+    base = model_factory("qwen2")
+    experts = {d: perturbed_copy(base, tmp_path / d, scale=0.05, seed=30 + i)
+               for i, d in enumerate(ALPHABETS)}
+    for i, (d, alphabet) in enumerate(ALPHABETS.items()):
+        (tmp_path / f"{d}.txt").write_text(planted_text(alphabet, seed=i))
+    three, note = remerged_against_rebuild(
+        (tmp_path, base, experts), "qwen-shared",
+        ["experts_per_token: 1", "shared_expert: average", "merge: {method: base}"],
+        calibrated=True, routers=("mlp.gate.weight",),
+        is_shared=lambda n: ".shared_expert." in n)
+    assert "(shared_expert: average): 6 re-merged" in note, note
+    kept = tensors(three.with_name("qwen-shared-kept"))
+    embed = "model.embed_tokens.weight"  # merge.method: base: the backbone stays the base's
+    assert torch.equal(kept[embed], tensors(three)[embed])
