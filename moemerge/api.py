@@ -31,20 +31,19 @@ from moemerge.io.paths import check_output_apart
 from moemerge.io.writer import ShardedWriter, overwrite_tensors, parse_size
 from moemerge.loading import load_causal_lm
 from moemerge.merge.primitives import count_non_finite
-from moemerge.plan.build import plan_merge, plan_token_routed
 from moemerge.plan.jobs import Plan, Source
 from moemerge.plan.memory import Estimate, estimate
-from moemerge.plan.merged import plan_merged_experts
 from moemerge.plan.params import override_layer_warnings
-from moemerge.plan.sequence import plan_bridged, plan_seq_routed
-from moemerge.plan.sources import SourceModel, check_assembly, open_sources
-from moemerge.plan.upcycle import plan_upcycle, upcycle_sources
+from moemerge.plan.recipe_plan import labelled_refs as _labelled_refs
+from moemerge.plan.recipe_plan import make_plan
+from moemerge.plan.sources import SourceModel, open_sources
+from moemerge.plan.upcycle import upcycle_sources
 from moemerge.plan.vocab import map_vocabularies
 from moemerge.progress import Stages
 from moemerge.recipe.load import AnyRecipe, load_recipe, parse_recipe
 from moemerge.recipe.merged import MergedExpertsRecipe
 from moemerge.recipe.models import MergeRecipe, MoERecipe
-from moemerge.recipe.sequence import BridgedRecipe, SeqRoutedRecipe
+from moemerge.recipe.sequence import BridgedRecipe
 from moemerge.recipe.shrink import ShrinkRecipe
 from moemerge.recipe.upcycle import UpcycleRecipe
 from moemerge.report import human_bytes
@@ -82,37 +81,6 @@ class BuildResult:
     tuning: TuneResult | None = None  # with tune=...: every candidate and the chosen values
     estimate: Estimate | None = None  # peak memory and output size, known before any data
     shrunk: Shrunk | None = None  # kind: shrink: what was kept (its plan has no jobs)
-
-
-def _labelled_refs(recipe: AnyRecipe) -> list[tuple[str, object]]:
-    refs = []
-    if getattr(recipe, "base_model", None) is not None:
-        refs.append(("base", recipe.base_model))
-    if getattr(recipe, "reference", None) is not None:
-        refs.append(("reference", recipe.reference))
-    inputs = recipe.inputs if isinstance(recipe, MergeRecipe | UpcycleRecipe | ShrinkRecipe) \
-        else recipe.experts
-    for ref in inputs:
-        label = getattr(ref, "name", None) or Path(ref.model.rstrip("/")).name
-        taken = {lab for lab, _ in refs}
-        refs.append((label if label not in taken else f"{label}#{len(refs)}", ref))
-    return refs
-
-
-def make_plan(recipe: AnyRecipe, models: list[SourceModel]) -> Plan:
-    if hasattr(recipe, "assembly"):
-        check_assembly(recipe.assembly, models)
-    if isinstance(recipe, MergeRecipe):
-        return plan_merge(recipe, models)
-    if isinstance(recipe, SeqRoutedRecipe):
-        return plan_seq_routed(recipe, models)
-    if isinstance(recipe, BridgedRecipe):
-        return plan_bridged(recipe, models)
-    if isinstance(recipe, MergedExpertsRecipe):
-        return plan_merged_experts(recipe, models)
-    if isinstance(recipe, UpcycleRecipe):
-        return plan_upcycle(recipe, models)
-    return plan_token_routed(recipe, models)
 
 
 def _tokenizer_source(recipe: AnyRecipe, models: list[SourceModel]) -> SourceModel:

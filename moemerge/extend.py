@@ -7,9 +7,14 @@ The MoE's tensors are copied with the new experts' FFNs added in every layer. Th
 refitted from the ridge statistics the build kept (routing/statistics.py) plus the new
 experts' calibration text, the only text that runs through the model (fast: layer 0 exact,
 deeper layers fitted on the old model's hidden states for the old text), or, with
-`recalibrate`, calibrated again on all the text exactly as `build` does (a rebuild's routers,
-no checkpoint tensor merged again). The output is written under the output rule (atomic,
---force) with a recipe copy that rebuilds it from scratch.
+`recalibrate`, calibrated again on all the text exactly as `build` does (a rebuild's routers).
+
+Where the recipe's merge of the shared (non-FFN) tensors reads every expert, they are merged
+again with the new experts by build's planner and executor (assemble/extend/remerge.py) unless
+`keep_shared`; every hidden state then changes, so calibrated routers are calibrated again on
+all the text. Each new expert is checked against the recipe copy's base where it is at hand
+(assemble/extend/same_base.py). The output is written under the output rule (atomic, --force)
+with a recipe copy that rebuilds it from scratch.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from moemerge.assemble.extend.recipe import (
     new_experts,
     recipe_copy,
 )
+from moemerge.assemble.extend.remerge import Remerge, plan_remerge
+from moemerge.assemble.extend.same_base import check_same_base, local_base
 from moemerge.assemble.extend.tensors import check_expert, extended_tensors
 from moemerge.assemble.extract.token_routed import token_layout
 from moemerge.assemble.remote_code import copy_modeling_code
@@ -42,6 +49,7 @@ from moemerge.assemble.verify import FULL_LOAD_LIMIT, check_loads
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.eval.perplexity import load_tokenizer
 from moemerge.io.atomic import RECIPE_COPY, SIDE_FILES, atomic_output_dir, copy_side_files
+from moemerge.io.paths import check_output_apart
 from moemerge.io.reader import CheckpointReader, read_config
 from moemerge.io.writer import ShardedWriter, overwrite_tensors, parse_size
 from moemerge.modeling import is_merged_experts, is_sequence_routed
@@ -72,6 +80,8 @@ class Extended:
     experts: list[str]  # every expert's name, the new ones last
     tensors: int
     bytes: int
+    remerged: str = ""  # what was merged again with the new experts ("" for none)
+    recalibrated: bool = False  # the routers calibrated again on all the text
 
 
 def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | None = None,
@@ -81,7 +91,9 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
     """Write `moe` grown by `experts` (dense models fine-tuned from its base) to `out`.
     recalibrate: calibrate the routers on all the text, the recipe copy's and the new
     experts' (a rebuild's routers); else refit them from the stored statistics plus the new
-    text."""
+    text. keep_shared: keep the shared tensors as built where the merge reads every expert
+    (the new experts get weight 0 in the recipe copy); else they are merged again with the new
+    experts, which implies recalibrate."""
     moe, out = Path(moe), Path(out)
     config = read_config(moe)
     layout = token_layout(config)
@@ -90,37 +102,71 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
                                 calibration=calibration, keep_shared=keep_shared,
                                 recalibrate=recalibrate, force=force, verify=verify)
     data, recipe = built_recipe(moe)
-    stored, windows = (None, 0) if recalibrate else _stored_statistics(
-        moe, config, layout.num_experts_key)
     changing = depends_on_experts(recipe)
-    if changing and not keep_shared:
-        raise RecipeError(
-            f"{moe}: its shared tensors depend on the expert set ({', '.join(changing)}); "
-            "extend does not re-merge them: pass --keep-shared (they stay as built and the new "
-            "experts join the recipe copy with weight 0, so it rebuilds the same model), or "
-            "add the experts to the recipe and rebuild")
+    remerging = bool(changing) and not keep_shared
+    calibrating = recalibrate or remerging  # a re-merge changes every hidden state
+    stored, windows = (None, 0) if calibrating else _stored_statistics(
+        moe, config, layout.num_experts_key)
     old = expert_labels(moe, int(config[layout.num_experts_key]))
     new = new_experts(experts, names, calibration, old)
     labels = [SimpleNamespace(label=name) for name in [*old, *(e.name for e in new)]]
-    cal = _calibration(moe, recipe.calibration, new, labels, old_text=recalibrate)
     recipe_text = extended_recipe_text(data, new, keep_shared) + STATS_NOTE
     grown = dict(config, **{layout.num_experts_key: len(labels)})
     with CheckpointReader(moe) as reader, ExitStack() as stack:
         readers = [stack.enter_context(CheckpointReader(e.path)) for e in new]
         for e, r in zip(new, readers, strict=True):
             check_expert(reader, layout, config, r, f"--expert {e.path}")
+        remerge = _shared_inputs(data, new, moe, out, remerging, stack)
+        _check_same_base(recipe, moe, out, remerge, new, readers, stack)
+        cal = _calibration(moe, recipe.calibration, new, labels, old_text=calibrating,
+                           remerge=remerge)
         tensors = extended_tensors(reader, layout, config, readers)
+        if remerge is not None:
+            tensors = remerge.replace(tensors)
         size = sum(t.dtype.itemsize * math.prod(t.shape) for t in tensors)
         with atomic_output_dir(out, force=force, size=size) as tmp:
             _write(tmp, moe, tensors, grown, recipe.output.max_shard_size, recipe_text,
-                   _card(moe, old, new, recalibrate))
+                   _card(moe, old, new, calibrating, remerged=remerging))
             routers, stats = _fit_routers(model_as_stored(tmp), cal, stored, windows)
             overwrite_tensors(tmp, {layout.router_name(layer): router
                                     for layer, router in routers.items()})
             save_statistics(tmp / STATS_FILE, stats, windows + cal.ids.shape[0])
             if verify and size <= FULL_LOAD_LIMIT:
                 check_loads(tmp)
-    return Extended([label.label for label in labels], len(tensors), size)
+    return Extended([label.label for label in labels], len(tensors), size,
+                    _remerged(changing, remerge), calibrating)
+
+
+def _shared_inputs(data: dict, new: list[NewExpert], moe: Path, out: Path, remerging: bool,
+                   stack: ExitStack) -> Remerge | None:
+    """With a re-merge, the recipe copy's models opened and planned (assemble/extend/remerge.py),
+    OUT checked apart from each of them (the output rule); else None."""
+    if not remerging:
+        return None
+    remerge = plan_remerge(data, new, moe, stack)
+    check_output_apart(out, [(f"input model {m.label}", m.path) for m in remerge.models])
+    return remerge
+
+
+def _check_same_base(recipe, moe: Path, out: Path, remerge: Remerge | None,
+                     new: list[NewExpert], readers: list[CheckpointReader],
+                     stack: ExitStack) -> None:
+    """Each new expert against the recipe copy's base where it is at hand (else no check); OUT
+    apart from that base (the output rule)."""
+    base = remerge.base if remerge is not None else local_base(recipe, moe, stack)
+    if base is not None:
+        check_output_apart(out, [("the base", base.path)])
+        for e, r in zip(new, readers, strict=True):
+            check_same_base(base, r, f"--expert {e.path}")
+
+
+def _remerged(changing: list[str], remerge: Remerge | None) -> str:
+    """What the re-merge did, for the CLI's note ("" without one)."""
+    if remerge is None:
+        return ""
+    return (f"the shared tensors depend on the expert set ({', '.join(changing)}): "
+            f"{len(remerge.jobs)} re-merged with the new experts, as `moemerge build` of the "
+            "recipe copy merges them (--keep-shared keeps them as built)")
 
 
 def _assembly(config: dict, moe: Path):
@@ -149,25 +195,18 @@ def _extend_assembly(moe: Path, out: Path, experts: list[Path], config: dict, *,
                               f"({TRAINING_DIR}/): extend makes the build's routers and "
                               "curvature for the grown expert set, which would drop the "
                               "training; extend the model `build` wrote, then train again")
+    changing = kind.changing(recipe)
+    remerging = bool(changing) and not keep_shared
     calibrated = calibrates(recipe)
-    if calibrated and not recalibrate:
+    if calibrated and not (recalibrate or remerging):
         raise CheckpointError(f"{moe}: its router was calibrated, and `build` keeps no router "
                               f"statistics for {config.get('assembly')} models: pass "
                               "--recalibrate (all the calibration text of the recipe copy, "
                               "which must still exist, and the new experts' texts, calibrated "
                               "again as build does)")
-    changing = kind.changing(recipe)
-    if changing and not keep_shared:
-        raise RecipeError(
-            f"{moe}: its shared tensors depend on the expert set ({', '.join(changing)}); "
-            "extend does not re-merge them: pass --keep-shared (they stay as built and the new "
-            "experts join the recipe copy with weight 0, so it rebuilds the same model), or "
-            "add the experts to the recipe and rebuild")
     old = list(config["expert_names"])
     new = new_experts(experts, names, calibration, old, need_text=calibrated)
     labels = [SimpleNamespace(label=name) for name in [*old, *(e.name for e in new)]]
-    cal = (_calibration(moe, recipe.calibration, new, labels, old_text=True) if calibrated
-           else None)
     with CheckpointReader(moe) as reader, ExitStack() as stack:
         sources = open_sources([(e.name, ModelRef(model=str(e.path))) for e in new], None,
                                allow_pickle=False, stack=stack, compatible=False)
@@ -177,19 +216,27 @@ def _extend_assembly(moe: Path, out: Path, experts: list[Path], config: dict, *,
             made = kind.new_expert_jobs(recipe, config, k, source, index)
             kind.check_expert(reader, config, source, made, index, f"--expert {e.path}")
             jobs += made
+        remerge = _shared_inputs(data, new, moe, out, remerging, stack)
+        _check_same_base(recipe, moe, out, remerge, new, [s.reader for s in sources], stack)
+        cal = (_calibration(moe, recipe.calibration, new, labels, old_text=True,
+                            remerge=remerge) if calibrated else None)
         grown = kind.grown_config(config, sources, [e.name for e in new])
         tensors = kind.extended_tensors(reader, config, recipe, sources, jobs)
+        if remerge is not None:
+            tensors = remerge.replace(tensors)
         size = sum(t.dtype.itemsize * math.prod(t.shape) for t in tensors)
         with atomic_output_dir(out, force=force, size=size) as tmp:
             _write(tmp, moe, tensors, grown, recipe.output.max_shard_size,
                    extended_recipe_text(data, new, keep_shared),
-                   _card(moe, old, new, calibrated, config.get("assembly", "merged_experts")))
+                   _card(moe, old, new, calibrated, config.get("assembly", "merged_experts"),
+                         remerged=remerging))
             copy_modeling_code(tmp)
             if cal is not None:  # build's calibration, on the grown model
                 overwrite_tensors(tmp, kind.calibrated_routers(model_as_stored(tmp), cal))
             if verify and size <= FULL_LOAD_LIMIT:
                 check_loads(tmp)
-    return Extended([label.label for label in labels], len(tensors), size)
+    return Extended([label.label for label in labels], len(tensors), size,
+                    _remerged(changing, remerge), calibrated)
 
 
 def _write(tmp: Path, moe: Path, tensors: list, config: dict, shard_size: str,
@@ -205,20 +252,30 @@ def _write(tmp: Path, moe: Path, tensors: list, config: dict, shard_size: str,
 
 
 def _calibration(moe: Path, spec: CalibrationSpec, new: list[NewExpert], labels: list,
-                 *, old_text: bool) -> Calibration:
+                 *, old_text: bool, remerge: Remerge | None = None) -> Calibration:
     """The windows the routers are fitted on: the new experts' texts, after (old_text) the
     recipe copy's, read as `moemerge build MOE/moemerge_recipe.yaml` reads them (a relative
-    path next to MOE, else in the working directory): the windows and targets a rebuild has."""
+    path next to MOE, else in the working directory): the windows and targets a rebuild has.
+    Tokenized with MOE's tokenizer, or with a re-merge with the one build reads (its first
+    model's: a Qwen2 base's loads as Qwen2Tokenizer, MOE's copy under qwen2_moe does not)."""
+    remerging = remerge is not None
     texts = calibration_texts(spec.model_copy(update={
         "data": [f"{e.name}={e.text}" for e in new]}), moe)
     if old_text:
         try:
             texts = calibration_texts(spec, moe) | texts
         except RecipeError as exc:
+            if remerging:
+                raise RecipeError(
+                    f"{moe / RECIPE_COPY}: {exc}: the shared tensors are merged again with "
+                    "the new experts, which changes every hidden state, so the routers are "
+                    "calibrated again on all the calibration text; restore it there, or pass "
+                    "--keep-shared (the shared tensors stay as built)") from None
             raise RecipeError(f"{moe / RECIPE_COPY}: {exc}: --recalibrate reads the build's "
                               "calibration text again; restore it there, or extend without "
                               "--recalibrate (refit from the stored statistics)") from None
-    return calibration_set(spec, texts, load_tokenizer(moe), labels)
+    tokenizer = load_tokenizer(remerge.models[0].path if remerge is not None else moe)
+    return calibration_set(spec, texts, tokenizer, labels)
 
 
 def _fit_routers(model, cal: Calibration, stored: dict[int, LayerStatistics] | None,
@@ -256,7 +313,7 @@ def _stored_statistics(moe: Path, config: dict, count_key: str):
 
 
 def _card(moe: Path, old: list[str], new: list[NewExpert], recalibrate: bool,
-          kind: str = "token_routed") -> str:
+          kind: str = "token_routed", *, remerged: bool = False) -> str:
     routers = ("calibrated again on all the calibration text, the build's and the new "
                "experts', as a rebuild does" if recalibrate else "refitted from the build's "
                "ridge statistics and the new experts' calibration text")
@@ -269,8 +326,10 @@ def _card(moe: Path, old: list[str], new: list[NewExpert], recalibrate: bool,
                                              "(curvature at the identity)"),
     }[kind]
     router = "every router" if kind != "seq_routed" else "the router"
+    shared = ("the shared tensors merged again with the new experts as a rebuild merges them, "
+              "the same" if remerged else "the same shared tensors")
     return (f"# `{moe.name}` extended by {', '.join(e.name for e in new)}\n\n"
             f"Written by `moemerge extend` from the {what} MoE `{moe}` (experts "
-            f"{', '.join(old)}): the same shared tensors and experts, the new experts' {joined}, "
+            f"{', '.join(old)}): {shared} and experts, the new experts' {joined}, "
             f"{router} {routers}. `{RECIPE_COPY}` rebuilds it from "
             "scratch with `moemerge build` (docs/extend.md).\n")

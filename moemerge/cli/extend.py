@@ -37,12 +37,17 @@ def extend(
         "the new experts'): the routers a rebuild gets, for the old text's forwards. Without "
         "it, only layer 0's router is a rebuild's; deeper ones are fitted on the old model's "
         "hidden states. Needed for a calibrated seq_routed or merged_experts router (build "
-        "keeps no statistics for them).")] = False,
+        "keeps no statistics for them). Implied where the shared tensors are merged again "
+        "(see --keep-shared).")] = False,
     keep_shared: Annotated[bool, typer.Option(
         "--keep-shared", help="Keep the shared tensors as built (token_routed and "
         "merged_experts: attention, norms, embedding and head; seq_routed: the embedding and "
-        "head not kept per expert), so the old experts compute as before; needed when the "
-        "recipe's merge reads every expert (any method but `base`).")] = False,
+        "head not kept per expert): the old experts compute as before and the new ones join "
+        "the recipe copy with weight 0. Without it, where the recipe's merge reads every "
+        "expert (any method but `base`, or shared_expert: average), they are merged again "
+        "with the new experts as a rebuild merges them (the base and old experts are read "
+        "where the recipe copy names them) and calibrated routers are calibrated again on "
+        "all the text.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
 ) -> None:
     """Add experts to an MoE that `moemerge build` made, without rebuilding it.
@@ -55,10 +60,13 @@ def extend(
     (router_stats.safetensors, written by `router.init: calibrate`) plus the new experts'
     calibration text: the old calibration text is not read again, and only layer 0's router
     is the one a rebuild gets. With --recalibrate every router is calibrated again on all the
-    text, as a rebuild does (exact; no tensor is merged again). An uncalibrated router
-    (random, perplexity, task_vector) becomes the one a rebuild writes. OUTPUT gets a recipe
-    copy with the new experts appended, which `moemerge build` rebuilds from scratch
-    (docs/extend.md)."""
+    text, as a rebuild does (exact). An uncalibrated router (random, perplexity, task_vector)
+    becomes the one a rebuild writes. Where the recipe's merge of the shared tensors reads
+    every expert, they are merged again with the new experts as a rebuild merges them, and
+    calibrated routers are calibrated again on all the text (a note says so); --keep-shared
+    keeps them as built. A new expert not fine-tuned from the MoE's base is refused. OUTPUT
+    gets a recipe copy with the new experts appended, which `moemerge build` rebuilds from
+    scratch (docs/extend.md)."""
     from moemerge.extend import extend_moe
     from moemerge.io.atomic import sweep_output
     from moemerge.io.outputs import check_output, local_inputs
@@ -71,3 +79,7 @@ def extend(
                       keep_shared=keep_shared, recalibrate=recalibrate, force=force)
     out.print(f"[green]extended[/] {model} to {output}: experts {', '.join(done.experts)}; "
               f"{done.tensors} tensors, {done.bytes / 2**20:.1f} MiB")
+    if done.remerged:  # the default where the merge reads every expert: say what it did
+        routers = ("; the routers were calibrated again on all the calibration text"
+                   if done.recalibrated else "")
+        out.print(f"note: {done.remerged}{routers}", markup=False, highlight=False)

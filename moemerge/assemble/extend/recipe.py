@@ -4,7 +4,9 @@ and the copy the output gets.
 The output's copy is the old recipe with each new expert appended to `experts` and its text to
 `calibration.data`, so `moemerge build` of it makes the extended model from scratch. With
 --keep-shared, where the merge depends on the expert set, a new expert gets `weight: 0`: it
-takes no part in the non-FFN merge (or a shared `average` expert), which then stays as built.
+takes no part in the non-FFN merge (or a shared `average` expert), which then stays as built;
+without it the new expert has its ordinary weight and extend merges those tensors again
+(remerge.py).
 """
 
 from __future__ import annotations
