@@ -53,8 +53,9 @@ from moemerge.io.paths import check_output_apart
 from moemerge.io.reader import CheckpointReader, read_config
 from moemerge.io.writer import ShardedWriter, overwrite_tensors, parse_size
 from moemerge.modeling import is_merged_experts, is_sequence_routed
-from moemerge.plan.sources import open_sources
-from moemerge.recipe.models import CalibrationSpec, ModelRef
+from moemerge.plan.recipe_plan import labelled_refs
+from moemerge.plan.sources import open_sources, resolve_ref
+from moemerge.recipe.models import ModelRef
 from moemerge.routing.calibrate import Calibration, calibrate_token_routers
 from moemerge.routing.refit import refit_token_routers
 from moemerge.routing.statistics import (
@@ -118,8 +119,7 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
             check_expert(reader, layout, config, r, f"--expert {e.path}")
         remerge = _shared_inputs(data, new, moe, out, remerging, stack)
         _check_same_base(recipe, moe, out, remerge, new, readers, stack)
-        cal = _calibration(moe, recipe.calibration, new, labels, old_text=calibrating,
-                           remerge=remerge)
+        cal = _calibration(moe, recipe, new, labels, old_text=calibrating, remerge=remerge)
         tensors = extended_tensors(reader, layout, config, readers)
         if remerge is not None:
             tensors = remerge.replace(tensors)
@@ -218,8 +218,8 @@ def _extend_assembly(moe: Path, out: Path, experts: list[Path], config: dict, *,
             jobs += made
         remerge = _shared_inputs(data, new, moe, out, remerging, stack)
         _check_same_base(recipe, moe, out, remerge, new, [s.reader for s in sources], stack)
-        cal = (_calibration(moe, recipe.calibration, new, labels, old_text=True,
-                            remerge=remerge) if calibrated else None)
+        cal = (_calibration(moe, recipe, new, labels, old_text=True, remerge=remerge)
+               if calibrated else None)
         grown = kind.grown_config(config, sources, [e.name for e in new])
         tensors = kind.extended_tensors(reader, config, recipe, sources, jobs)
         if remerge is not None:
@@ -251,14 +251,13 @@ def _write(tmp: Path, moe: Path, tensors: list, config: dict, shard_size: str,
     (tmp / "README.md").write_text(card)
 
 
-def _calibration(moe: Path, spec: CalibrationSpec, new: list[NewExpert], labels: list,
-                 *, old_text: bool, remerge: Remerge | None = None) -> Calibration:
+def _calibration(moe: Path, recipe, new: list[NewExpert], labels: list, *, old_text: bool,
+                 remerge: Remerge | None = None) -> Calibration:
     """The windows the routers are fitted on: the new experts' texts, after (old_text) the
     recipe copy's, read as `moemerge build MOE/moemerge_recipe.yaml` reads them (a relative
     path next to MOE, else in the working directory): the windows and targets a rebuild has.
-    Tokenized with MOE's tokenizer, or with a re-merge with the one build reads (its first
-    model's: a Qwen2 base's loads as Qwen2Tokenizer, MOE's copy under qwen2_moe does not)."""
-    remerging = remerge is not None
+    Tokenized with the tokenizer build reads (_build_tokenizer)."""
+    remerging, spec = remerge is not None, recipe.calibration
     texts = calibration_texts(spec.model_copy(update={
         "data": [f"{e.name}={e.text}" for e in new]}), moe)
     if old_text:
@@ -274,8 +273,21 @@ def _calibration(moe: Path, spec: CalibrationSpec, new: list[NewExpert], labels:
             raise RecipeError(f"{moe / RECIPE_COPY}: {exc}: --recalibrate reads the build's "
                               "calibration text again; restore it there, or extend without "
                               "--recalibrate (refit from the stored statistics)") from None
-    tokenizer = load_tokenizer(remerge.models[0].path if remerge is not None else moe)
+    tokenizer = load_tokenizer(_build_tokenizer(moe, recipe, remerge))
     return calibration_set(spec, texts, tokenizer, labels)
+
+
+def _build_tokenizer(moe: Path, recipe, remerge: Remerge | None) -> Path:
+    """Where the tokenizer that `build` of the recipe copy reads is: its first model's
+    directory (the base of a token_routed MoE) where it is at hand, else MOE's copy of it.
+    They differ in class where config.json names another family (a Qwen2 base's loads as
+    Qwen2Tokenizer, MOE's copy under qwen2_moe as another, with other windows)."""
+    if remerge is not None:
+        return remerge.models[0].path
+    try:
+        return resolve_ref(labelled_refs(recipe)[0][1], moe, hub=False)
+    except CheckpointError:
+        return moe
 
 
 def _fit_routers(model, cal: Calibration, stored: dict[int, LayerStatistics] | None,
