@@ -4,9 +4,10 @@ each way against the rebuild.
 
 The MoEs are the quality benchmark's `token_cal` row (a Mixtral, top-2, non-FFN tensors
 averaged, routers calibrated on the experts' training text): built with the first three
-experts of the set, then extended by the last (`--keep-shared`: the average stays the three
-experts', as the extended model's recipe copy says) in both router modes, and built from
-scratch with all four (the shared tensors then average four experts). Every model is scored
+experts of the set, then extended by the last with `--keep-shared` (the average stays the three
+experts', as the extended model's recipe copy says) in both router modes, and by default (the
+shared tensors averaged again with the fourth, routers calibrated again: a rebuild's model),
+and built from scratch with all four. Every model is scored
 on the test part of the held-out text exactly as run.py scores its rows.
 
     python benchmarks/quality/extend.py [--preset quality|smollm2]
@@ -78,20 +79,22 @@ def main() -> None:
                        for s in (ts, without(ts, new)))
         three = build(three, work / "three")
 
-        def grow(recalibrate: bool) -> Path:
-            out = work / ("recalibrated" if recalibrate else "extended")
-            extend_moe(three, out, [ts.experts[new]], names=[new],
-                       calibration=[f"{new}={ts.train_text[new]}"], keep_shared=True,
+        def grow(out: str, keep_shared: bool = True, recalibrate: bool = False) -> Path:
+            extend_moe(three, work / out, [ts.experts[new]], names=[new],
+                       calibration=[f"{new}={ts.train_text[new]}"], keep_shared=keep_shared,
                        recalibrate=recalibrate)
-            return out
+            return work / out
 
-        extended, fast_s = timed(lambda: grow(False))
-        recalibrated, exact_s = timed(lambda: grow(True))
+        extended, fast_s = timed(lambda: grow("extended"))
+        recalibrated, exact_s = timed(lambda: grow("recalibrated", recalibrate=True))
+        remerged, remerge_s = timed(lambda: grow("remerged", keep_shared=False))
         rebuilt, rebuild_s = timed(lambda: build(four, work / "four"))
         for label, model, seconds in [
                 (f"3 experts (no {new})", three, None),
-                (f"extended by {new} (fast)", extended, fast_s),
-                (f"extended by {new} (--recalibrate)", recalibrated, exact_s),
+                (f"extended by {new}, --keep-shared (fast)", extended, fast_s),
+                (f"extended by {new}, --keep-shared --recalibrate", recalibrated, exact_s),
+                (f"extended by {new}, shared tensors re-merged (the default)", remerged,
+                 remerge_s),
                 ("built from scratch with 4 experts", rebuilt, rebuild_s)]:
             perplexity = score(label, model)[0]
             rows.append({"model": label, "perplexity": perplexity, "seconds": seconds})
@@ -126,9 +129,10 @@ def markdown(result: dict, args) -> str:
             f"({result['runtime_s']} s)\n\nTest perplexity per domain ({result['test_tokens']} "
             "test tokens per domain, 32-token prompt, as benchmarks/quality/run.py scores). "
             f"Calibration: the experts' training text, {result['calibration_tokens']} tokens "
-            "per domain. The extended models keep the three-expert average of the shared "
-            "tensors (`--keep-shared`); the rebuild averages four. Seconds: one run each, in "
-            "one process, on the same machine.\n\n" + "\n".join(lines) + "\n")
+            "per domain. `--keep-shared` keeps the three-expert average of the shared "
+            "tensors; the default re-merges them with the new expert, as the rebuild (four) "
+            "does. Seconds: one run each, in one process, on the same machine.\n\n"
+            + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
