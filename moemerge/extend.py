@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -44,6 +44,7 @@ from moemerge.assemble.extend.remerge import Remerge, plan_remerge
 from moemerge.assemble.extend.same_base import check_same_base, local_base
 from moemerge.assemble.extend.tensors import check_expert, extended_tensors
 from moemerge.assemble.extract.token_routed import token_layout
+from moemerge.assemble.gguf import too_many_experts
 from moemerge.assemble.remote_code import copy_modeling_code
 from moemerge.assemble.verify import FULL_LOAD_LIMIT, check_loads
 from moemerge.errors import CheckpointError, RecipeError
@@ -83,6 +84,7 @@ class Extended:
     bytes: int
     remerged: str = ""  # what was merged again with the new experts ("" for none)
     recalibrated: bool = False  # the routers calibrated again on all the text
+    notes: list[str] = field(default_factory=list)  # what the user should know of the output
 
 
 def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | None = None,
@@ -134,7 +136,8 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
             if verify and size <= FULL_LOAD_LIMIT:
                 check_loads(tmp)
     return Extended([label.label for label in labels], len(tensors), size,
-                    _remerged(changing, remerge), calibrating)
+                    _remerged(changing, remerge), calibrating,
+                    [note] if (note := too_many_experts(grown)) else [])
 
 
 def _shared_inputs(data: dict, new: list[NewExpert], moe: Path, out: Path, remerging: bool,

@@ -46,6 +46,22 @@ def check_convertible(recipe) -> None:
             "not know; GGUF is written for dense merges, upcycles and token-routed MoEs only")
 
 
+# llama.cpp's LLAMA_MAX_EXPERTS (src/llama-hparams.h, the llama.cpp of llama-cpp-python 0.3.36):
+# a GGUF with more experts per layer fails its loader's assertion
+LLAMA_CPP_MAX_EXPERTS = 1024
+
+
+def too_many_experts(config: dict) -> str | None:
+    """Why llama.cpp cannot load an MoE of this config's expert count, or None."""
+    count = next((config[key] for key in ("num_local_experts", "num_experts")
+                  if isinstance(config.get(key), int)), 0)
+    if count > LLAMA_CPP_MAX_EXPERTS:
+        return (f"{count} experts per layer: llama.cpp loads at most {LLAMA_CPP_MAX_EXPERTS} "
+                "(LLAMA_MAX_EXPERTS), so no GGUF of this model runs there; transformers loads "
+                "it")
+    return None
+
+
 def check_layout_converts(config: dict) -> None:
     """Before any tensor is read (from the planned config.json): an MoE layout llama.cpp's
     converter does not know is refused, naming those it does."""
@@ -59,6 +75,8 @@ def check_layout_converts(config: dict) -> None:
                           f"layout ({architecture}); it converts dense merges, upcycles and "
                           f"these token-routed layouts: {converts}. Build without --gguf, or "
                           "from sources that give one of them")
+    if (problem := too_many_experts(config)) is not None:
+        raise RecipeError(f"--gguf: {problem}. Build without --gguf")
 
 
 def find_converter(llama_cpp: Path | None) -> list[str]:

@@ -79,6 +79,8 @@ def extend(
                       keep_shared=keep_shared, recalibrate=recalibrate, force=force)
     out.print(f"[green]extended[/] {model} to {output}: experts {', '.join(done.experts)}; "
               f"{done.tensors} tensors, {done.bytes / 2**20:.1f} MiB")
+    for note in done.notes:
+        out.print(f"[yellow]note:[/] {note}", highlight=False)
     if done.remerged:  # the default where the merge reads every expert: say what it did
         routers = ("; the routers were calibrated again on all the calibration text"
                    if done.recalibrated else "")

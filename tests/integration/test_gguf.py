@@ -200,3 +200,19 @@ def test_a_layout_llama_cpp_cannot_convert_is_refused_before_any_tensor_is_read(
     assert converts and "flex_olmo" not in converts
     assert all(f"{name} (" in text for name in converts), text
     assert not (tmp_path / "out").exists()
+
+
+def test_more_experts_than_llama_cpp_loads_is_said():
+    """llama.cpp asserts n_expert <= LLAMA_MAX_EXPERTS (1024) when it loads a GGUF: `build
+    --gguf` refuses such a config before any work; `extend` notes it (too_many_experts)."""
+    from moemerge.assemble.gguf import check_layout_converts, too_many_experts
+    from moemerge.errors import RecipeError
+
+    config = {"architectures": ["MixtralForCausalLM"], "num_local_experts": 1024}
+    assert too_many_experts(config) is None
+    check_layout_converts(config)
+    for key in ("num_local_experts", "num_experts"):  # Mixtral's key, Qwen's
+        grown = {"architectures": ["MixtralForCausalLM"], key: 1025}
+        assert "1025 experts per layer: llama.cpp loads at most 1024" in too_many_experts(grown)
+        with pytest.raises(RecipeError, match="--gguf: 1025 experts per layer"):
+            check_layout_converts(grown)
