@@ -105,6 +105,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=tuple(PRESETS), default="quality")
     parser.add_argument("--kept", default="3,2,1", help="experts kept per layer, comma-separated")
+    parser.add_argument("--variants", default=",".join(str(i) for i in range(len(VARIANTS))),
+                        help="which of VARIANTS to run, by index, comma-separated (default: "
+                        "all)")
     parser.add_argument("--max-tokens", type=int, help="test tokens per domain")
     parser.add_argument("--calibration-tokens", type=int,
                         help="tokens per domain for the MoE's routers and for shrink")
@@ -149,7 +152,8 @@ def main() -> None:
         add("dense average (dense)", build(every["dense_average"], work / "dense"), kept=None)
         add(f"unshrunk MoE ({experts} experts, top-2)", moe, kept=experts)
         for kept in map(int, args.kept.split(",")):
-            for label, method, saliency, repair in VARIANTS:
+            for label, method, saliency, repair in (VARIANTS[int(i)]
+                                                    for i in args.variants.split(",")):
                 out = work / f"k{kept}-{method}-{saliency}-{repair}"
                 seconds = shrink_once(moe, out, kept, method, saliency, repair, data,
                                       args.calibration_tokens)
@@ -185,8 +189,8 @@ def markdown(result: dict, args) -> str:
                      + (f"{r['shrink_s']:.1f} | {stats['seconds']:.1f} / "
                         f"{stats['peak_gib']:.2f} |" if stats else "– | – |"))
     command = (f"python benchmarks/quality/shrink.py --preset {args.preset} --kept {args.kept}"
-               f" --max-tokens {args.max_tokens} --calibration-tokens "
-               f"{args.calibration_tokens}")
+               f" --variants {args.variants} --max-tokens {args.max_tokens} "
+               f"--calibration-tokens {args.calibration_tokens}")
     return (f"# moemerge shrink: perplexity against experts kept ({result['preset']} set)\n\n"
             f"{stamp_line(result['provenance'])}\n\n`{command}` ({result['runtime_s']} s)\n\n"
             f"Test perplexity per domain ({result['test_tokens']} test tokens per domain, "
