@@ -32,7 +32,7 @@ from run import Scorer, split_held_out  # noqa: E402
 from stamp import provenance, stamp_line  # noqa: E402
 
 RESULTS = Path(__file__).parent.parent / "results"
-# (label, method, saliency, repair): the variants of every K; the first is shrink's default
+# (label, method, saliency, repair): the variants of every K; index 3 is shrink's default
 VARIANTS = [
     ("prune, REAP, repaired", "prune", "reap", True),
     ("prune, REAP, no repair", "prune", "reap", False),

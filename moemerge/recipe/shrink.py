@@ -33,8 +33,8 @@ class ShrinkRecipe(_RecipeBase):
                                 "layer (or `ratio`).")
     ratio: float | None = Field(default=None, gt=0.0, le=1.0, description="Share of the "
                                 "experts kept per layer, rounded, at least 1 (or `experts`).")
-    method: Method = Field(default="prune", description="prune: keep the most salient experts; "
-                           "merge: cluster similar experts and average each cluster.")
+    method: Method = Field(default="merge", description="merge: cluster similar experts and "
+                           "average each cluster; prune: keep the most salient experts.")
     saliency: Saliency = Field(default="reap", description="reap: mean gate weight × expert "
                                "output norm over the tokens routed to the expert (Lasby et "
                                "al. 2025); frequency: share of the top-k slots.")

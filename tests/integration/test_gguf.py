@@ -163,7 +163,8 @@ def test_a_shrunk_moe_converts_with_its_experts_intact(tmp_path):
     moe = tmp_path / "moe"
     build(sentencepiece_moe(tmp_path, count=4), moe, progress=False, verify="structure")
     (tmp_path / "calib.txt").write_text(TEXT * 40)
-    code, text = run("shrink", moe, tmp_path / "out", "--experts", "2", "--no-repair",
+    code, text = run("shrink", moe, tmp_path / "out", "--experts", "2", "--method", "prune",
+                     "--no-repair",
                      "--calibration", tmp_path / "calib.txt", "--seq-len", "32")
     assert code == 0, text
     shrunk = {n: t for f in (tmp_path / "out").glob("*.safetensors") for n, t in

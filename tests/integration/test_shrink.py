@@ -142,7 +142,7 @@ def test_a_group_merged_by_a_registry_method_is_that_method_of_its_members(
     with pytest.raises(RecipeError, match="slerp merges at most 2 experts"):
         run(moe, tmp_path / "slerp", calib, experts=1, method="merge", merge_method="slerp")
     with pytest.raises(RecipeError, match="merge_method: karcher applies to method: merge"):
-        run(moe, tmp_path / "pruned", calib, merge_method="karcher")
+        run(moe, tmp_path / "pruned", calib, method="prune", merge_method="karcher")
     with pytest.raises(RecipeError, match="'ties' cannot merge a group of experts"):
         run(moe, tmp_path / "ties", calib, method="merge", merge_method="ties")
     assert not any((tmp_path / d).exists() for d in ("slerp", "pruned", "ties"))
@@ -183,7 +183,7 @@ def test_pruning_one_expert_removes_the_least_salient(model_factory, tmp_path, c
     from moemerge.train.calibration import calibration_windows
 
     moe = make_moe(tmp_path, model_factory("llama"))
-    run(moe, tmp_path / "out", calib, experts=3, repair=False)
+    run(moe, tmp_path / "out", calib, experts=3, method="prune", repair=False)
     card = json.loads((tmp_path / "out" / "shrink.json").read_text())
     ids, _, _ = calibration_windows(CalibrationText(data=[str(calib)], seq_len=32),
                                     {"c": [calib.read_text()]}, load_tokenizer(moe))
