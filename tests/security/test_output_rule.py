@@ -44,6 +44,7 @@ NOT_OUTPUTS = {
     ("extract", "model"), ("extract", "expert"), ("extract", "weights"),
     ("extend", "model"), ("extend", "expert"), ("extend", "name"), ("extend", "calibration"),
     ("shrink", "model"), ("shrink", "calibration"), ("shrink", "method"), ("shrink", "saliency"),
+    ("shrink", "merge_method"),
     ("finetune", "model"), ("finetune", "config"), ("finetune", "data"), ("finetune", "train"),
     ("finetune", "text_field"), ("finetune", "label_field"), ("finetune", "schedule"),
     ("finetune", "device"), ("finetune", "autocast"), ("import-mergekit", "config"),
