@@ -27,8 +27,7 @@ from types import SimpleNamespace
 
 sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent.parent)]
 from models import build, recipes  # noqa: E402
-from run import Scorer, split_held_out  # noqa: E402
-from shrink import PRESETS, mean  # noqa: E402
+from shrink import PRESETS, expert_set, mean  # noqa: E402
 from stamp import provenance, stamp_line  # noqa: E402
 
 RESULTS = Path(__file__).parent.parent / "results"
@@ -54,23 +53,11 @@ def main() -> None:
     parser.add_argument("--calibration-tokens", type=int, help="calibration tokens per domain")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     args = parser.parse_args()
-    for key, value in PRESETS[args.preset].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    args.exact_match = 0
     clock = time.perf_counter()
 
     from moemerge.extend import extend_moe
-    from moemerge.toy import QUALITY, cached_toy_experts
 
-    if args.preset == "smollm2":
-        from moemerge.toy.real_experts import REAL, cached_real_experts
-
-        ts = cached_real_experts(REAL)
-    else:
-        ts = cached_toy_experts(QUALITY, progress=False)
-    tests = {d: split_held_out(p.read_text())[1] for d, p in ts.eval_text.items()}
-    score = Scorer(tests, args)
+    ts, score = expert_set(args)
     new = list(ts.experts)[-1]
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-extend-") as tmp:

@@ -85,6 +85,25 @@ def parameters(model: Path) -> tuple[float, float]:
     return total / 1e6, (total - idle) / 1e6
 
 
+def expert_set(args) -> tuple[object, Scorer]:
+    """(the preset's expert set, its scorer on the test part of the held-out text); the
+    preset's defaults filled into `args` where the command line gave none."""
+    from moemerge.toy import QUALITY, cached_toy_experts
+
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.exact_match = 0
+    if args.preset == "smollm2":
+        from moemerge.toy.real_experts import REAL, cached_real_experts
+
+        ts = cached_real_experts(REAL)
+    else:
+        ts = cached_toy_experts(QUALITY, progress=False)
+    tests = {d: split_held_out(p.read_text())[1] for d, p in ts.eval_text.items()}
+    return ts, Scorer(tests, args)
+
+
 def shrink_once(moe: Path, out: Path, kept: int, method: str, saliency: str, repair: bool,
                 data: list[str], tokens: int) -> float:
     """Seconds `moemerge shrink` took (statistics, write, repair; no load check)."""
@@ -113,25 +132,13 @@ def main() -> None:
                         help="tokens per domain for the MoE's routers and for shrink")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     args = parser.parse_args()
-    for key, value in PRESETS[args.preset].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    args.exact_match = 0
     clock = time.perf_counter()
 
     import moemerge.shrink as shrink_module
-    from moemerge.toy import QUALITY, cached_toy_experts
 
     timed = TimedStats(shrink_module.collect_stats)
     shrink_module.collect_stats = timed
-    if args.preset == "smollm2":
-        from moemerge.toy.real_experts import REAL, cached_real_experts
-
-        ts = cached_real_experts(REAL)
-    else:
-        ts = cached_toy_experts(QUALITY, progress=False)
-    tests = {d: split_held_out(p.read_text())[1] for d, p in ts.eval_text.items()}
-    score = Scorer(tests, args)
+    ts, score = expert_set(args)
     data = [f"{d}={p}" for d, p in ts.train_text.items()]
     rows: list[dict] = []
 
