@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from moemerge.assemble.extend.recipe import depends_on_experts, loss_targets_error
+from moemerge.assemble.extend.tensors import check_shapes
 from moemerge.assemble.extract.plan import DenseTensor, config_dtype, write_order
 from moemerge.errors import MismatchError, RecipeError
 from moemerge.execute import compute
@@ -90,12 +91,7 @@ def check_expert(moe: CheckpointReader, config: dict, source: SourceModel, jobs:
         if role.role != "ffn":
             mine[name] = tuple(source.reader.meta(name).shape)
             theirs[name] = tuple(moe.meta(name).shape) if name in present else None
-    for name in sorted(theirs.keys() | mine.keys()):
-        if mine.get(name) != theirs.get(name):
-            raise MismatchError(f"{label}: tensor {name!r} is {mine.get(name) or 'missing'}, "
-                                f"the MoE's is {theirs.get(name) or 'missing'}: not an expert "
-                                "of this MoE's base (an expert must be fine-tuned from the "
-                                "same base)")
+    check_shapes(mine, theirs, label)
 
 
 def grown_config(config: dict, sources: list[SourceModel], names: list[str]) -> dict:

@@ -18,6 +18,7 @@ import torch
 from moemerge.analysis.route import MAX_EXPERTS
 from moemerge.architectures.config import dense_config
 from moemerge.assemble.extend.recipe import REBUILD, depends_on_experts, loss_targets_error
+from moemerge.assemble.extend.tensors import check_shapes
 from moemerge.assemble.extract.plan import DenseTensor, config_dtype
 from moemerge.errors import CheckpointError, MismatchError, RecipeError
 from moemerge.execute import compute
@@ -81,12 +82,7 @@ def check_expert(moe: CheckpointReader, config: dict, source: SourceModel, jobs:
         if shared in moe.names():
             theirs[shared] = tuple(moe.meta(shared).shape)
             mine[shared] = tuple(source.reader.meta(role_tensor(source, role)).shape)
-    for name in sorted(theirs.keys() | mine.keys()):
-        if mine.get(name) != theirs.get(name):
-            raise MismatchError(f"{label}: tensor {name!r} is {mine.get(name, 'missing')}, the "
-                                f"MoE's experts' is {theirs.get(name, 'missing')}: not an "
-                                "expert of this MoE's base (an expert must be fine-tuned from "
-                                "the same base)")
+    check_shapes(mine, theirs, label, whose="the MoE's experts'")
 
 
 def grown_config(config: dict, sources: list[SourceModel], names: list[str]) -> dict:

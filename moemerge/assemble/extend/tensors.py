@@ -17,6 +17,18 @@ from moemerge.errors import MismatchError
 from moemerge.io.reader import CheckpointReader
 
 
+def check_shapes(mine: dict[str, tuple | None], theirs: dict[str, tuple | None], label: str,
+                 whose: str = "the MoE's") -> None:
+    """A MismatchError naming the first tensor whose shape in the new expert (`mine`) is not
+    the MoE's (`theirs`); a tensor missing on one side counts as a mismatch."""
+    for name in sorted(theirs.keys() | mine.keys()):
+        if mine.get(name) != theirs.get(name):
+            raise MismatchError(f"{label}: tensor {name!r} is {mine.get(name) or 'missing'}, "
+                                f"{whose} is {theirs.get(name) or 'missing'}: not an expert of "
+                                "this MoE's base (an expert must be fine-tuned from the same "
+                                "base)")
+
+
 def dense_ffn_names(layout: MoELayout, config: dict) -> dict[str, str]:
     """{gate|up|down: the dense family's FFN tensor name in a layer (`mlp.gate_proj.weight`)}."""
     family, _ = source_family(layout, config)
