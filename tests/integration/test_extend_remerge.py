@@ -14,7 +14,7 @@ import torch
 from conftest import perturbed_copy, write_recipe
 from safetensors import safe_open
 from test_extend import ALPHABETS, planted_text, tensors
-from test_extend_assemblies import CALIBRATION, MERGED_DYNAMIC
+from test_extend_assemblies import MERGED_DYNAMIC, built
 from typer.testing import CliRunner
 
 from moemerge.api import build
@@ -39,18 +39,6 @@ def sources(model_factory, tmp_path_factory):
     return root, base, experts
 
 
-def two_experts(sources, name: str, settings: list[str], *, calibrated: bool):
-    root, base, experts = sources
-    two = root / f"{name}-two"
-    if not two.exists():
-        lines = ["kind: moe", f"base_model: {base}", "experts:",
-                 *(f"  - {{model: {experts[d]}, name: {d}}}" for d in ("letters", "digits")),
-                 *settings, *([CALIBRATION.format(root=root)] if calibrated else [])]
-        build(write_recipe(root / f"{name}.yaml", "\n".join(lines) + "\n"), two,
-              progress=False)
-    return two
-
-
 def extend(sources, moe, out, *options, calibrated: bool = True, expert=None):
     root, _, experts = sources
     text = ["--calibration", f"marks={root}/marks.txt"] if calibrated else []
@@ -73,7 +61,7 @@ def remerged_against_rebuild(sources, name: str, settings: list[str], *, calibra
     --keep-shared: every tensor of OUT is the rebuild's (torch.equal, routers included); the
     shared tensors differ from the --keep-shared output's. Returns (OUT, the note printed)."""
     root = sources[0]
-    two = two_experts(sources, name, settings, calibrated=calibrated)
+    two = built(sources, name, settings, calibrated=calibrated)
     three, rebuilt, kept = (root / f"{name}-{s}" for s in ("three", "rebuilt", "kept"))
     start = time.perf_counter()
     code, out = extend(sources, two, three, calibrated=calibrated)
@@ -136,7 +124,7 @@ def test_a_missing_input_of_the_remerge_is_named(sources, tmp_path):
     """The re-merge reads the old experts where the recipe copy names them: one that is gone is
     named, with --keep-shared as the way around; so is an old calibration text that is gone."""
     root, _, experts = sources
-    moved = shutil.copytree(two_experts(sources, "tok-average", TOKEN_AVERAGE, calibrated=True),
+    moved = shutil.copytree(built(sources, "tok-average", TOKEN_AVERAGE, calibrated=True),
                             tmp_path / "two")
     copy = moved / RECIPE_COPY
     gone = tmp_path / "gone" / "digits"
@@ -158,7 +146,7 @@ def test_an_expert_of_another_initialisation_is_refused(sources, model_factory, 
     """Same family and shapes, another random init: refused with the expert, the tensor and the
     figures, with and without --keep-shared; with the base gone the check is skipped."""
     other = model_factory("llama", seed=5)
-    two = two_experts(sources, "tok-average", TOKEN_AVERAGE, calibrated=True)
+    two = built(sources, "tok-average", TOKEN_AVERAGE, calibrated=True)
     for options in ((), ("--keep-shared",)):
         code, out = extend(sources, two, tmp_path / "out", *options, expert=other)
         assert code == 1 and f"--expert {other}" in out and "same base" in out, out
