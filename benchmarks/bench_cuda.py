@@ -153,6 +153,39 @@ def run_finetune(model: Path, out: Path, ts, parts, extra: dict, device: str, st
             "trained_tensors": len(result.trained)}
 
 
+def method_parity(device: str) -> list[dict]:
+    """Every merge method of the registry on the same float32 tensors (3 models and a base,
+    96 × 80), on the CPU and on `device`, in row blocks of 512 entries (the path real tensors
+    take: per-model thresholds over every block, then the blocked merge) and whole."""
+    from moemerge.merge import dispatch
+    from moemerge.merge.registry import METHOD_SPECS
+
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(96, 80, generator=gen)
+    models = [base + 0.05 * torch.randn(96, 80, generator=gen) for _ in range(3)]
+    rows = []
+    for spec in METHOD_SPECS:
+        if spec.target is None:
+            continue
+        n = min(len(models), spec.max_models or len(models))
+        params = {p.name: 0.01 for p in spec.params if p.required}  # swap_distance
+        for block in (512, None):
+            out = {}
+            try:
+                for dev in ("cpu", device):
+                    out[dev] = dispatch.merge(
+                        spec.name, base=base.to(dev), tensors=[m.to(dev) for m in models[:n]],
+                        generator=torch.Generator().manual_seed(1), block=block, **params).cpu()
+            except RuntimeError as error:
+                rows.append({"method": spec.name, "block": block, "bitwise_equal": False,
+                             "max_abs_diff": float("nan"), "error": str(error)})
+                continue
+            rows.append({"method": spec.name, "block": block,
+                         "bitwise_equal": torch.equal(out["cpu"], out[device]),
+                         "max_abs_diff": (out["cpu"] - out[device]).abs().max().item()})
+    return rows
+
+
 def compare_load(path: Path, device: str, tokenizer_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -187,6 +220,8 @@ def main() -> None:
     rows = []
     kinds = {k: v for k, v in KINDS.items()
              if not opts.only or k in opts.only.split(";")}
+    methods = method_parity(opts.device)
+    print(json.dumps(methods, indent=1), flush=True)
     with tempfile.TemporaryDirectory(prefix="moemerge-cuda-") as tmp:
         root = Path(tmp)
         models = random_models(root, AutoTokenizer.from_pretrained(ts.base))
@@ -211,15 +246,15 @@ def main() -> None:
                 row["load_trained"] = compare_load(root / "ft-dev", opts.device, ts.base)
             print(json.dumps(row, indent=1), flush=True)
             rows.append(row)
-    write_results(rows, opts)
+    write_results(rows, methods, opts, provenance())
 
 
-def write_results(rows: list[dict], opts) -> None:
-    record = provenance()
+def write_results(rows: list[dict], methods: list[dict], opts, record: dict) -> None:
     name = f"cuda-{opts.tag}" if opts.tag else "cuda"
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(
-        {"provenance": record, "device": opts.device, "steps": opts.steps, "rows": rows},
+        {"provenance": record, "device": opts.device, "steps": opts.steps, "rows": rows,
+         "methods": methods},
         indent=1) + "\n")
     md = [f"# CUDA paths: build --device {opts.device}, finetune, load (demo toy experts)", "",
           stamp_line(record), "",
@@ -244,6 +279,19 @@ def write_results(rows: list[dict], opts) -> None:
     md += ["", "Greedy continuations on the device of `def mean(values):⏎    return "
            "sum(values) /`:", ""]
     md += [f"- {r['kind']}: {r['load']['greedy']!r}" for r in rows]
+    md += ["", f"Every merge method, 3 models + base (96 × 80, float32), CPU against "
+           f"{opts.device}, in row blocks of 512 entries / whole:", "",
+           "| method | bitwise equal (blocks / whole) | max abs Δ (blocks / whole) |",
+           "|---|---|---|"]
+    for blocked, whole in zip(methods[::2], methods[1::2], strict=True):
+        md.append(f"| {blocked['method']} | {blocked['bitwise_equal']} / "
+                  f"{whole['bitwise_equal']} | {blocked['max_abs_diff']:.1e} / "
+                  f"{whole['max_abs_diff']:.1e} |")
+    md += ["", "At a real shape (Llama-3.2-1B, 4 of its 16 layers, base + 4 experts, bf16), "
+           "`build --device` against the CPU of the same machine: "
+           "`python benchmarks/bench_scale.py --shape llama-3.2-1b --layers 4 --runs "
+           "dense:ties,dense:dare_ties,moe:average --no-select --device cuda|cpu --tag "
+           "gpu-cuda|gpu-cpu` (results/scale-gpu-cuda.md, results/scale-gpu-cpu.md)."]
     (RESULTS / f"{name}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

@@ -52,13 +52,13 @@ def kth_largest(parts: Parts, k: int) -> Tensor:
     a histogram of the top 16 bits of each value's IEEE bits (monotone in the value), then
     `kthvalue` within the one bucket that holds the k-th largest. Memory: one part, the
     65536 counts and that bucket's entries."""
-    counts = torch.zeros(_BUCKETS, dtype=torch.int64)
-    total = 0
+    counts, total = None, 0  # the counts live where the parts do (a GPU under --device cuda)
     for part in parts():
         keys = (part.reshape(-1).view(torch.int32) >> 15).long()
-        counts += torch.bincount(keys, minlength=_BUCKETS)
+        hist = torch.bincount(keys, minlength=_BUCKETS)
+        counts = hist if counts is None else counts.add_(hist)
         total += part.numel()
-    if not 1 <= k <= total:
+    if counts is None or not 1 <= k <= total:
         raise ValueError(f"k = {k} is outside 1..{total}")
     above = counts.flip(0).cumsum(0).flip(0)  # above[b] = entries in buckets b and higher
     bucket = int((above >= k).nonzero().max())  # the highest bucket reaching k from the top
@@ -98,7 +98,7 @@ def trim_thresholds(base: Tensor, tensors: Sequence[Tensor], blocks: list[slice]
         return {}
     return {"thresholds": torch.stack([
         kth_largest(_magnitudes(base, t, blocks), keep_count(n, d, trim_rounding))
-        if d < 1.0 else torch.zeros(()) for t, d in zip(tensors, densities, strict=True)])}
+        if d < 1.0 else torch.zeros((), device=base.device) for t, d in zip(tensors, densities, strict=True)])}
 
 
 def outlier_thresholds(base: Tensor, tensors: Sequence[Tensor], blocks: list[slice], *,

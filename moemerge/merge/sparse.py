@@ -43,6 +43,7 @@ def trim_outliers(taus: Tensor, density: PerModel, gamma: PerModel, rounding: st
     if bands is None:
         bands = torch.stack([_band(row, d, g, rounding)
                              for row, d, g in zip(flat, densities, gammas, strict=True)])
+    bands = bands.to(flat.device)  # the blocked path's bands come from the CPU
     low, high = bands[:, :1], bands[:, 1:]
     return (taus.reshape(flat.shape) * ((flat >= low) & (flat <= high))).reshape(taus.shape)
 
@@ -50,7 +51,7 @@ def trim_outliers(taus: Tensor, density: PerModel, gamma: PerModel, rounding: st
 def _band(magnitudes: Tensor, density: float, gamma: float, rounding: str) -> Tensor:
     """[low, high]: the magnitudes breadcrumbs keeps in one flat task vector."""
     if density == 1.0:
-        return torch.tensor([0.0, float("inf")])
+        return torch.tensor([0.0, float("inf")], device=magnitudes.device)
     n = magnitudes.numel()
     keep = keep_count(n, density, rounding)
     bottom = max(0, n - keep - int(gamma * n))  # entries dropped from below
@@ -88,7 +89,7 @@ def magnitude_ranks(tau: Tensor) -> Tensor:
     rows = tau.reshape(tau.shape[0] if tau.dim() > 1 else 1, -1).abs()
     order = rows.argsort(dim=1, stable=True)
     ranks = torch.empty_like(rows).scatter_(
-        1, order, torch.arange(rows.shape[1], dtype=rows.dtype).expand_as(rows).contiguous())
+        1, order, torch.arange(rows.shape[1], dtype=rows.dtype, device=rows.device).expand_as(rows).contiguous())
     return (ranks / max(rows.shape[1] - 1, 1)).reshape(tau.shape)
 
 

@@ -42,7 +42,7 @@ def multislerp(tensors: Sequence[Tensor], weights: Weights = None, base: Tensor 
     origin = base.float() if base is not None else None
     points = torch.stack([t.float() if origin is None else t.float() - origin for t in tensors])
     flat = points.reshape(len(tensors), -1)  # [N, n]
-    w = weights_of(weights, len(tensors), normalize)
+    w = weights_of(weights, len(tensors), normalize).to(flat.device)
     norms = flat.norm(dim=1, keepdim=True)  # [N, 1]
     units = flat / (norms + EPS)
     mean = (units * w[:, None]).sum(dim=0)
@@ -69,7 +69,7 @@ def karcher(tensors: Sequence[Tensor], weights: Weights = None, max_iter: int = 
     if len(tensors) == 1:
         return tensors[0].float()
     flat = [t.float().reshape(-1) for t in tensors]
-    w = weights_of(weights, len(tensors), normalize=True)
+    w = weights_of(weights, len(tensors), normalize=True).to(flat[0].device)
     norms = torch.stack([x.norm() for x in flat])  # [N]
     live = [i for i in range(len(flat)) if norms[i] > tol]
     if not live:
