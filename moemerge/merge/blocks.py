@@ -98,7 +98,8 @@ def trim_thresholds(base: Tensor, tensors: Sequence[Tensor], blocks: list[slice]
         return {}
     return {"thresholds": torch.stack([
         kth_largest(_magnitudes(base, t, blocks), keep_count(n, d, trim_rounding))
-        if d < 1.0 else torch.zeros((), device=base.device) for t, d in zip(tensors, densities, strict=True)])}
+        if d < 1.0 else torch.zeros((), device=base.device)
+        for t, d in zip(tensors, densities, strict=True)])}
 
 
 def outlier_thresholds(base: Tensor, tensors: Sequence[Tensor], blocks: list[slice], *,

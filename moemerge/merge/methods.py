@@ -17,7 +17,7 @@ from torch import Tensor
 from moemerge.merge.primitives import (
     PerModel,
     dare_drop,
-    disjoint_mean,
+    disjoint_mean_,
     elect_sign,
     per_model,
     task_vectors,
@@ -78,9 +78,10 @@ def task_arithmetic(base: Tensor, tensors: Sequence[Tensor], weights: Weights = 
 def consensus_merge(base: Tensor, taus: Tensor, w: Tensor, lam: float, *, normalize: bool = True,
                     consensus: str = "sum", zero_vote: str = "none") -> Tensor:
     """θ_base + λ · disjoint_mean(τ, elect_sign(w · τ), w): the second half of every
-    sign-consensus method (TIES, DARE-TIES, breadcrumbs-TIES, DELLA), after its own sparsifier."""
+    sign-consensus method (TIES, DARE-TIES, breadcrumbs-TIES, DELLA), after its own sparsifier.
+    `taus` is the sparsifier's fresh stack, overwritten here (no copy of it is made)."""
     sign = elect_sign(taus, w, consensus, zero_vote)
-    return base.float() + lam * disjoint_mean(taus, sign, w, normalize)
+    return base.float() + lam * disjoint_mean_(taus.float(), sign, w, normalize)
 
 
 def ties(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,

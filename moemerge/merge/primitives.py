@@ -19,9 +19,12 @@ from torch import Tensor
 
 
 def task_vectors(base: Tensor, tensors: Sequence[Tensor]) -> Tensor:
-    """τ_i = θ_i − θ_base, stacked: [N, *shape]."""
-    base = base.float()
-    return torch.stack([t.float() - base for t in tensors])
+    """τ_i = θ_i − θ_base, stacked: [N, *shape], one allocation (each model is cast into its
+    slot, then the base subtracted in place: the same values as θ_i.float() − θ_base.float())."""
+    out = torch.empty((len(tensors), *base.shape), dtype=torch.float32, device=base.device)
+    for slot, tensor in zip(out, tensors, strict=True):
+        slot.copy_(tensor)
+    return out.sub_(base.float())
 
 
 PerModel = float | Sequence[float]  # one value for every model, or one per model
@@ -88,8 +91,13 @@ def _per_model(weights: Tensor, taus: Tensor) -> Tensor:
         -1, *([1] * (taus.dim() - 1)))
 
 
+def _unit(weights: Tensor | None) -> bool:
+    """No weights, or all 1: multiplying by them is exact, so it can be skipped."""
+    return weights is None or bool((weights == 1).all())
+
+
 def _weighted(taus: Tensor, weights: Tensor | None) -> Tensor:
-    return taus if weights is None else taus * _per_model(weights, taus)
+    return taus if _unit(weights) else taus * _per_model(weights, taus)
 
 
 def elect_sign(taus: Tensor, weights: Tensor | None = None, consensus: str = "sum",
@@ -109,15 +117,22 @@ def disjoint_mean(taus: Tensor, sign: Tensor, weights: Tensor | None = None,
     """TIES "disjoint merge": per entry, the weighted mean over the models whose (nonzero) τ has
     the elected sign; zeros and disagreeing entries are excluded; no agreeing model gives 0.
     normalize False: the weighted sum of the agreeing entries, not their mean."""
-    taus = taus.float()
+    return disjoint_mean_(taus.to(torch.float32, copy=True), sign, weights, normalize)
+
+
+def disjoint_mean_(taus: Tensor, sign: Tensor, weights: Tensor | None,
+                   normalize: bool) -> Tensor:
+    """disjoint_mean that overwrites `taus` (float32, owned by the caller): no stack-sized
+    temporaries beyond the agreement mask. Unit weights are not multiplied (exact either way)."""
     agree = (torch.sign(taus) == sign.to(taus.device)) & (taus != 0)  # [N, *shape]
-    w = torch.ones(taus.shape[0]) if weights is None else weights
-    w = _per_model(w, taus) * agree  # [N, *shape]: a model's weight where it counts, else 0
-    total = w.sum(dim=0)
+    # [N, *shape]: a model's weight where it counts, else 0 (bool for unit weights)
+    w = agree if _unit(weights) else _per_model(weights, taus) * agree
+    total = w.sum(dim=0, dtype=torch.float32)
+    merged = taus.mul_(w).sum(dim=0)
     if not normalize:
-        return (taus * w).sum(dim=0)
+        return merged
     # no agreeing model: 0 / tiny · 0 = 0, never a NaN
-    return (taus * w).sum(dim=0) / total.clamp_min(torch.finfo(torch.float32).tiny) * (total > 0)
+    return merged.div_(total.clamp_min(torch.finfo(torch.float32).tiny)).mul_(total > 0)
 
 
 def dare_drop(tau: Tensor, density: float, generator: torch.Generator,

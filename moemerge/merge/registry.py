@@ -135,6 +135,14 @@ class MethodSpec:
     def block_statistics(self) -> Callable | None:
         return None if self.blocks is None else _load(self.blocks)
 
+    def runs_in_blocks(self, params: dict) -> bool:
+        """Whether a large tensor merges in row blocks with these parameters (what dispatch
+        does, known before any data is read: the memory estimate's question). mergekit's L1
+        rescale needs the whole tensor's norms after the drop (blocks.unless_l1)."""
+        if self.blocks is None:
+            return False
+        return not (self.blocks.endswith(":unless_l1") and params.get("rescale") == "l1")
+
 
 def _load(target: str | None) -> Callable:
     module, _, attr = (target or "").partition(":")

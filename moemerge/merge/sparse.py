@@ -88,8 +88,8 @@ def magnitude_ranks(tau: Tensor) -> Tensor:
     magnitude scaled to [0, 1]: 0 for the smallest, 1 for the largest."""
     rows = tau.reshape(tau.shape[0] if tau.dim() > 1 else 1, -1).abs()
     order = rows.argsort(dim=1, stable=True)
-    ranks = torch.empty_like(rows).scatter_(
-        1, order, torch.arange(rows.shape[1], dtype=rows.dtype, device=rows.device).expand_as(rows).contiguous())
+    positions = torch.arange(rows.shape[1], dtype=rows.dtype, device=rows.device)
+    ranks = torch.empty_like(rows).scatter_(1, order, positions.expand_as(rows).contiguous())
     return (ranks / max(rows.shape[1] - 1, 1)).reshape(tau.shape)
 
 
