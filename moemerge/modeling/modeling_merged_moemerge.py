@@ -103,7 +103,8 @@ class MergedCache(DynamicCache):
 class Step:
     """What one forward shares with every layer's MLP: merged weights, cache, padding mask."""
 
-    weights: list | None = None  # per layer: ({p: E_m}, {p: Δ [N, O, I]})
+    # per layer: ({p: E_m}, {p: Δ [N, O, I]}), or None: the layer makes its own
+    weights: list | None = None
     cache: MergedCache | None = None
     offset = 0  # position of the first input token: the tokens already in the cache
     mask: torch.Tensor | None = None  # [B, T] attention mask (1 = token)
@@ -196,7 +197,11 @@ class MergedExpertsMLP(nn.Module):
         return SegmentState(open_sum, open_count, sums[:, j - 1], counts[:, j - 1])
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        reference, delta = self.step.weights[self.layer]
+        weights = self.step.weights[self.layer]
+        if weights is None:  # made here, inside the layer's checkpoint (merged_weights)
+            reference = {p: getattr(self.reference, p).weight for p in PROJECTIONS}
+            weights = (reference, self.deltas(reference)[1])
+        reference, delta = weights
         s = self.scores(h).to(h.dtype)
         alpha = self.config.alpha
 
@@ -235,9 +240,17 @@ class MoemergeMergedForCausalLM(MoemergeModel, PreTrainedModel, GenerationMixin)
     def mlps(self) -> list[MergedExpertsMLP]:
         return [layer.mlp for layer in self.model.layers]
 
-    def merged_weights(self) -> list[tuple[dict, dict]]:
+    def merged_weights(self, lazy: bool = False) -> list[tuple[dict, dict] | None]:
         """Per layer ({p: E_m [O, I]}, {p: Δ [N, O, I]}), layer by layer since a dynamic layer's
-        E_m comes from the one below: E_m^{l+1} = E_m^l + α · mean_i M_i τ_i^l."""
+        E_m comes from the one below: E_m^{l+1} = E_m^l + α · mean_i M_i τ_i^l.
+
+        `lazy` (training with gradient checkpointing): a static model's layers get None, and
+        each makes its own inside its checkpointed forward, so the graph of Δ (several
+        [N, O, I] tensors per projection) lives one layer at a time, not every layer's until
+        the backward pass. A dynamic model's E_m chain runs through every layer below, so its
+        Δ are made here."""
+        if lazy and not self.config.dynamic:
+            return [None] * len(self.mlps())
         params = [p for mlp in self.mlps() for p in mlp.parameters()]
         key = tuple(p._version for p in params) + tuple(p.data_ptr() for p in params)
         if not torch.is_grad_enabled() and self._frozen is not None and self._frozen[0] == key:
@@ -261,7 +274,8 @@ class MoemergeMergedForCausalLM(MoemergeModel, PreTrainedModel, GenerationMixin)
         if use_cache and cache is None:
             cache = MergedCache(self.dense_config)
         step = self.step
-        step.weights = self.merged_weights()
+        step.weights = self.merged_weights(
+            lazy=self.training and self.is_gradient_checkpointing and torch.is_grad_enabled())
         step.cache = cache if isinstance(cache, MergedCache) else None
         step.offset = cache.get_seq_length() if cache is not None else 0
         step.mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 \

@@ -3,23 +3,22 @@
 The model is the merged MoE itself (loaded in its own dtype from the build, written with placeholder
 routers), so each router is fitted on the inputs it will see. Token and merged-experts
 routers are fitted layer by layer: layer l's inputs are captured with the routers of layers
-< l already set (their choices change what reaches layer l), the forward stops at layer l,
-and only one layer's inputs [rows, H] are held at a time. Sequence routers read the
-(RMS-normalised) mean embedding: one pass, no decoder layer runs.
+< l already set (their choices change what reaches layer l), walking down the decoder stack
+once with the windows' hidden states kept between layers (routing/capture.py). Sequence
+routers read the (RMS-normalised) mean embedding: one pass, no decoder layer runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from moemerge.routing.capture import BATCH, layer_rows
 from moemerge.routing.modules import find_routers, layout_of
 from moemerge.routing.ridge import decisive_scale, fit_router, held_out_windows
-
-BATCH = 8  # windows per forward
 
 
 @dataclass
@@ -52,42 +51,6 @@ def token_nll(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat(rows)
 
 
-class _Stop(Exception):
-    """Raised by a hook once the layer being calibrated has seen its inputs."""
-
-
-@torch.no_grad()
-def capture_rows(model, ids: torch.Tensor, module, stop) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every input row `module` sees on the windows ids [W, S+1], each forward cut short after
-    `stop` ran: (rows [R, H] fp32, window index of each row [R]). A call's input [B, ..., H]
-    (or its batch-major flattening [B·m, H]) holds m rows per window."""
-    rows, windows, current = [], [], [0, 0]  # current: the batch's first window and size
-
-    def record(_module, args):
-        x = args[0].detach().float()
-        x = x.reshape(current[1], -1, x.shape[-1])  # [B, m, H]
-        rows.append(x.reshape(-1, x.shape[-1]))
-        windows.append(torch.arange(current[0], current[0] + current[1])
-                       .repeat_interleave(x.shape[1]))
-
-    def halt(*_):
-        raise _Stop
-
-    handles = [module.register_forward_pre_hook(record), stop.register_forward_hook(halt)]
-    try:
-        for start in range(0, ids.shape[0], BATCH):
-            batch = ids[start:start + BATCH, :-1]
-            current[:] = [start, batch.shape[0]]
-            try:
-                model(input_ids=batch)
-            except _Stop:
-                pass
-    finally:
-        for handle in handles:
-            handle.remove()
-    return torch.cat(rows), torch.cat(windows)
-
-
 def _solve(x: torch.Tensor, y: torch.Tensor, window: torch.Tensor, confidence: float,
            temperature: float = 1.0) -> torch.Tensor:
     """Ridge router [E, H] fp32 from rows x [R, H] and targets y [R, E], scaled so that
@@ -117,22 +80,24 @@ def fit_token_routers(model, ids: torch.Tensor, gates: list[tuple[int, torch.nn.
     """{layer: router [E, H]}: each gate in layer order set to fit(layer, rows [R, H], window
     of each row [R]) on its inputs over the windows ids [W, S+1] (R = W·S), and written into
     the model before the next layer's inputs are captured."""
+    by_layer = dict(gates)
     routers = {}
-    for layer, gate in gates:
-        x, window = token_rows(model, ids, gate, layer)
+    for layer, x, window in token_rows(model, ids, gates):
         routers[layer] = fit(layer, x, window)
-        gate.weight.data.copy_(routers[layer])
+        by_layer[layer].weight.data.copy_(routers[layer])
     return routers
 
 
-def token_rows(model, ids: torch.Tensor, gate, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows [R, H], window [R]) layer `layer`'s router `gate` sees over the windows ids
-    [W, S+1]: one per calibration token."""
-    x, window = capture_rows(model, ids, gate, gate)
-    if x.shape[0] != ids.shape[0] * (ids.shape[1] - 1):
-        raise ValueError(f"layer {layer}: the router saw {x.shape[0]} rows, expected one "
-                         "per calibration token")
-    return x, window
+def token_rows(model, ids: torch.Tensor, gates: list[tuple[int, torch.nn.Module]]
+               ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(layer, rows [R, H], window [R]) each router `gate` sees over the windows ids [W, S+1],
+    one row per calibration token, in layer order (routing/capture.py: a router set between
+    two of them changes what the next layers see)."""
+    for layer, x, window in layer_rows(model, ids, [(layer, gate, gate) for layer, gate in gates]):
+        if x.shape[0] != ids.shape[0] * (ids.shape[1] - 1):
+            raise ValueError(f"layer {layer}: the router saw {x.shape[0]} rows, expected one "
+                             "per calibration token")
+        yield layer, x, window
 
 
 def calibrate_token_routers(model, cal: Calibration, stats: dict | None = None
@@ -159,11 +124,12 @@ def calibrate_merged_routers(model, cal: Calibration) -> dict[int, torch.Tensor]
     router reads (the running means of segment 0 included), each row's target the mean target
     of its window."""
     per_window = cal.targets.mean(dim=1)  # [W, E]
+    mlps = model.mlps()
     routers = {}
-    for layer, mlp in enumerate(model.mlps()):
-        x, window = capture_rows(model, cal.ids, mlp.router, mlp)
+    for layer, x, window in layer_rows(model, cal.ids, [(layer, mlp.router, mlp)
+                                                         for layer, mlp in enumerate(mlps)]):
         routers[layer] = _solve(x, per_window[window], window, cal.confidence)
-        mlp.router.weight.data.copy_(routers[layer])
+        mlps[layer].router.weight.data.copy_(routers[layer])
     return routers
 
 
