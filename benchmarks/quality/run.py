@@ -56,7 +56,7 @@ PRESETS = {
     "smollm2": ({"seeds": 1, "steps": 30, "lr": 3e-3, "full_steps": 0, "batch_size": 8,
                  "max_tokens": 2048, "tune_chars": 4000, "tune_lambdas": "0.5,1.0",
                  "tune_densities": "0.5,0.9", "exact_match": 40, "calibration_tokens": 1024,
-                 "eval_fraction": 0.005},
+                 "eval_fraction": 0.005, "gradient_checkpointing": True},
                 {"dense+pipeline", "token_cal+r+f", "upcycle+f", "dense_dare", "token_random+r",
                  "merged_cal+r"}),
 }
