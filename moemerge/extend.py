@@ -52,7 +52,7 @@ from moemerge.eval.perplexity import load_tokenizer
 from moemerge.io.atomic import RECIPE_COPY, SIDE_FILES, atomic_output_dir, copy_side_files
 from moemerge.io.paths import check_output_apart
 from moemerge.io.reader import CheckpointReader, read_config
-from moemerge.io.writer import ShardedWriter, overwrite_tensors, parse_size
+from moemerge.io.writer import ShardedWriter, finite, overwrite_tensors, parse_size
 from moemerge.modeling import is_merged_experts, is_sequence_routed
 from moemerge.plan.recipe_plan import labelled_refs
 from moemerge.plan.sources import open_sources, resolve_ref
@@ -247,7 +247,8 @@ def _write(tmp: Path, moe: Path, tensors: list, config: dict, shard_size: str,
     planned = [(t.name, t.dtype, t.shape) for t in tensors]
     with ShardedWriter(tmp, planned, max_shard_bytes=parse_size(shard_size)) as writer:
         for t in tensors:
-            writer.write(t.name, t.make().to(t.dtype).contiguous())
+            writer.write(t.name, finite(t.name, t.make().to(t.dtype).contiguous(),
+                                        f"from {moe}, the new experts or their re-merge"))
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     copy_side_files(moe, tmp, SIDE_FILES)
     (tmp / RECIPE_COPY).write_text(recipe_text)

@@ -17,7 +17,7 @@ from moemerge.assemble.remote_code import copy_modeling_code
 from moemerge.errors import CheckpointError
 from moemerge.io.atomic import RECIPE_COPY, SIDE_FILES, atomic_output_dir, copy_side_files
 from moemerge.io.reader import CheckpointReader, read_config
-from moemerge.io.writer import ShardedWriter
+from moemerge.io.writer import ShardedWriter, finite
 from moemerge.loading import load_pretrained
 from moemerge.modeling import is_merged_experts
 
@@ -48,7 +48,8 @@ def bake_curvature(model_dir: Path, out: Path, *, force: bool = False,
             with ShardedWriter(tmp, planned, max_shard_bytes=max_shard_bytes) as writer:
                 for name, dtype, _ in planned:
                     tensor = baked[name] if name in baked else reader.read(name)
-                    writer.write(name, tensor.to(dtype).contiguous())
+                    writer.write(name, finite(name, tensor.to(dtype).contiguous(),
+                                              f"{model_dir} with its curvature folded in"))
             (tmp / "config.json").write_text(json.dumps({**config, "curvature": "none"},
                                                         indent=2) + "\n")
             copy_side_files(model_dir, tmp, KEEP)

@@ -23,6 +23,7 @@ import torch
 from moemerge.errors import OutputError
 from moemerge.io.atomic import NO_SPACE, NoSpaceLeft
 from moemerge.io.reader import DTYPES, SAFETENSORS_INDEX, read_safetensors_header
+from moemerge.merge.primitives import count_non_finite
 
 Planned = tuple[str, torch.dtype, tuple[int, ...]]
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -202,6 +203,16 @@ class ShardedWriter:
             self.close()
         else:  # the build failed: keep its error, not a "tensors missing" one
             self._release()
+
+
+def finite(name: str, tensor: torch.Tensor, whence: str) -> torch.Tensor:
+    """`tensor` as it is, or an OutputError when it holds NaN / Inf: what `build` refuses
+    without --allow-non-finite, refused too by the commands that remake a model's tensors
+    (extend, extract, shrink, export). `whence`: where its values came from."""
+    if bad := count_non_finite(tensor):
+        raise OutputError(f"output check failed: tensor {name!r} would hold {bad} NaN/Inf "
+                          f"values ({whence}); nothing was written")
+    return tensor
 
 
 def overwrite_tensors(directory: Path, tensors: dict[str, torch.Tensor]) -> None:

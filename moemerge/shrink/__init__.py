@@ -31,7 +31,7 @@ from moemerge.io.atomic import (
 from moemerge.io.outputs import check_output, local_inputs
 from moemerge.io.reader import CheckpointReader, read_config
 from moemerge.io.resolve import resolve_model
-from moemerge.io.writer import ShardedWriter, overwrite_tensors
+from moemerge.io.writer import ShardedWriter, finite, overwrite_tensors
 from moemerge.loading import load_pretrained
 from moemerge.progress import Stages
 from moemerge.recipe.shrink import ShrinkRecipe
@@ -122,7 +122,8 @@ def shrink(recipe: ShrinkRecipe, out: Path, *, recipe_dir: Path, recipe_text: st
                 with ShardedWriter(tmp, [(t.name, t.dtype, t.shape) for t in tensors],
                                    metadata={"moemerge_shrunk_from": moe.name}) as writer:
                     for t in tensors:
-                        writer.write(t.name, t.make().contiguous())
+                        writer.write(t.name, finite(t.name, t.make().contiguous(),
+                                                    f"{moe}'s experts merged or kept"))
                 (tmp / "config.json").write_text(json.dumps(new_config, indent=2) + "\n")
                 copy_side_files(moe, tmp, SIDE_FILES)
             if recipe.repair and kept < before:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import perturbed_copy, write_recipe
 from safetensors import safe_open
+from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from moemerge.api import build
@@ -199,3 +200,45 @@ def test_refusals_name_the_cause_with_exit_codes(grown, tiny_moe, model_factory,
     taken = run(two, *marks, "--name", "digits", "--keep-shared")
     assert taken.exit_code == 2 and "already names an expert" in taken.output
     assert not (tmp_path / "out").exists()
+
+
+def plant_nan(model_dir, name: str) -> None:
+    weights = model_dir / "model.safetensors"
+    with safe_open(weights, "pt") as f:
+        state = {n: f.get_tensor(n) for n in f.keys()}
+    state[name][3, 5] = float("nan")
+    save_file(state, weights, metadata={"format": "pt"})
+
+
+def test_a_new_expert_holding_nan_is_named_not_called_another_base(grown, tmp_path):
+    """A NaN in a tensor the same-base check reads made its cosine no number, and the expert
+    was refused as "not fine-tuned from this MoE's base"; it is named for what it is."""
+    root, two, _, _, _, _ = grown
+    bad = tmp_path / "marks-nan"
+    shutil.copytree(root / "marks", bad)
+    plant_nan(bad, "model.layers.1.mlp.down_proj.weight")
+    done = CliRunner().invoke(app, ["extend", str(two), str(tmp_path / "out"), "--expert",
+                                    str(bad), "--name", "marks", "--calibration",
+                                    f"marks={root}/marks.txt", "--keep-shared"])
+    assert done.exit_code == 1, done.output
+    assert "'model.layers.1.mlp.down_proj.weight' holds NaN/Inf" in done.output, done.output
+    assert "same base" not in done.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_extract_refuses_a_non_finite_output_and_writes_nothing(grown, tmp_path):
+    """extract, extend, shrink and export write tensors `build` did not check: a NaN in the
+    MoE (here planted in expert 1's FFN) is refused as build refuses one, naming the tensor."""
+    _, two, _, _, _, _ = grown
+    moe = tmp_path / "moe"
+    shutil.copytree(two, moe)
+    with safe_open(moe / "model.safetensors", "pt") as f:
+        name = next(n for n in f.keys() if ".experts.1." in n)
+    plant_nan(moe, name)
+    done = CliRunner().invoke(app, ["extract", str(moe), str(tmp_path / "out"), "--expert", "1"])
+    assert done.exit_code != 0, done.output
+    assert "NaN/Inf" in done.output and "nothing was written" in done.output, done.output
+    assert not (tmp_path / "out").exists()
+    fine = CliRunner().invoke(app, ["extract", str(moe), str(tmp_path / "out0"), "--expert",
+                                    "0"])  # the other expert holds no NaN
+    assert fine.exit_code == 0, fine.output

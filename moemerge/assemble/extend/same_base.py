@@ -13,6 +13,7 @@ measured figures). A tensor with c < MIN_COSINE is refused, naming it with both 
 
 from __future__ import annotations
 
+import math
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -61,6 +62,8 @@ def check_same_base(base: SourceModel, expert: CheckpointReader, label: str) -> 
         if name not in expert.names() or expert.meta(name).shape != base.reader.meta(name).shape:
             continue
         r, c = figures(base.reader.read(name), expert.read(name))
+        if not math.isfinite(r):  # a NaN would read as "another base" (its cosine is no number)
+            raise CheckpointError(f"{label}: tensor {name!r} holds NaN/Inf values")
         if c < MIN_COSINE:
             raise MismatchError(
                 f"{label}: not fine-tuned from this MoE's base {base.path}: tensor {name!r} has a "

@@ -22,7 +22,7 @@ from moemerge.assemble.verify import FULL_LOAD_LIMIT, check_loads
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.io.atomic import SIDE_FILES, atomic_output_dir, copy_side_files
 from moemerge.io.reader import CheckpointReader, read_config
-from moemerge.io.writer import ShardedWriter
+from moemerge.io.writer import ShardedWriter, finite
 from moemerge.modeling import is_merged_experts, is_sequence_routed
 
 __all__ = ["Extracted", "extract_expert"]
@@ -55,7 +55,8 @@ def extract_expert(moe: Path, out: Path, *, expert: str | None = None,
             planned = [(t.name, t.dtype, t.shape) for t in extraction.tensors]
             with ShardedWriter(tmp, planned, metadata=metadata) as writer:
                 for t in extraction.tensors:
-                    writer.write(t.name, t.make().to(t.dtype).contiguous())
+                    writer.write(t.name, finite(t.name, t.make().to(t.dtype).contiguous(),
+                                                f"from {moe}"))
             (tmp / "config.json").write_text(json.dumps(extraction.config, indent=2) + "\n")
             copy_side_files(moe, tmp, SIDE_FILES)
             (tmp / "README.md").write_text(card(moe, kind, label, extraction))
