@@ -104,6 +104,7 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
         return _extend_assembly(moe, out, experts, config, names=names,
                                 calibration=calibration, keep_shared=keep_shared,
                                 recalibrate=recalibrate, force=force, verify=verify)
+    _refuse_trained(moe)
     data, recipe = built_recipe(moe)
     changing = depends_on_experts(recipe)
     remerging = bool(changing) and not keep_shared
@@ -184,6 +185,14 @@ def _assembly(config: dict, moe: Path):
                           "Qwen3-MoE, FlexOlmo, GraniteMoE), seq_routed or merged_experts")
 
 
+def _refuse_trained(moe: Path) -> None:
+    if (moe / TRAINING_DIR).exists():
+        raise CheckpointError(f"{moe}: trained by `moemerge finetune` after the build "
+                              f"({TRAINING_DIR}/): extend makes the build's routers and "
+                              "curvature for the grown expert set, which would drop the "
+                              "training; extend the model `build` wrote, then train again")
+
+
 def _extend_assembly(moe: Path, out: Path, experts: list[Path], config: dict, *,
                      names: list[str] | None, calibration: list[str] | None, keep_shared: bool,
                      recalibrate: bool, force: bool, verify: bool) -> Extended:
@@ -193,11 +202,7 @@ def _extend_assembly(moe: Path, out: Path, experts: list[Path], config: dict, *,
     kind = _assembly(config, moe)
     data, recipe = recipe_copy(moe, "add the experts to its recipe and build it")
     recipe = kind.check_recipe(recipe, config, moe)
-    if (moe / TRAINING_DIR).exists():
-        raise CheckpointError(f"{moe}: trained by `moemerge finetune` after the build "
-                              f"({TRAINING_DIR}/): extend makes the build's routers and "
-                              "curvature for the grown expert set, which would drop the "
-                              "training; extend the model `build` wrote, then train again")
+    _refuse_trained(moe)
     changing = kind.changing(recipe)
     remerging = bool(changing) and not keep_shared
     calibrated = calibrates(recipe)

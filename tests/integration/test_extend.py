@@ -242,3 +242,21 @@ def test_extract_refuses_a_non_finite_output_and_writes_nothing(grown, tmp_path)
     fine = CliRunner().invoke(app, ["extract", str(moe), str(tmp_path / "out0"), "--expert",
                                     "0"])  # the other expert holds no NaN
     assert fine.exit_code == 0, fine.output
+
+
+def test_a_model_trained_after_the_build_is_refused(grown, tmp_path):
+    """extend refits the build's routers for the grown expert set (from the build's statistics
+    or the calibration text): on a model whose routers `finetune` trained, that would drop the
+    training without a word. Refused, as for seq_routed and merged experts."""
+    root, two, _, _, _, _ = grown
+    trained = tmp_path / "trained"
+    done = CliRunner().invoke(app, ["finetune", str(two), str(trained), "--data",
+                                    f"letters={root}/letters.txt", "--data",
+                                    f"digits={root}/digits.txt", "--steps", "1", "--seq-len",
+                                    "16", "--batch-size", "2", "-q"])
+    assert done.exit_code == 0, done.output
+    for mode in ([], ["--recalibrate"]):
+        refused = CliRunner().invoke(app, extend_args(root, trained, tmp_path / "out", *mode))
+        assert refused.exit_code == 1, refused.output
+        assert "trained by `moemerge finetune`" in refused.output, refused.output
+        assert not (tmp_path / "out").exists()
