@@ -183,6 +183,9 @@ def markdown(result: dict) -> str:
         f"cached (making it the first time took {result['toy_make_s'] / 60:.1f} min more).", "",
         *([f"Provenance: {stamp_line(result['provenance'])}", ""]
           if "provenance" in result else []),
+        *(["**Partial**: the run wrote this after each row and stopped before the last "
+           f"({len(rows)} rows here); the rows it did not reach are missing, not skipped.", ""]
+          if result.get("complete") is False else []),
         setup(result), "",
         f"**Training.** Batches of {s['batch_size']} × {s['seq_len']} tokens of the training "
         f"text (all domains), AdamW, warm-up + cosine. Routers (and CAMEx curvature): "
