@@ -16,7 +16,7 @@ import yaml
 from moemerge.assemble.card import model_card
 from moemerge.assemble.remote_code import copy_modeling_code
 from moemerge.assemble.verify import FULL_LOAD_LIMIT, check_loads, check_structure
-from moemerge.errors import CheckpointError, OutputError, RecipeError
+from moemerge.errors import CheckpointError, RecipeError
 from moemerge.eval.perplexity import load_tokenizer
 from moemerge.execute import check_device, run_jobs
 from moemerge.io.atomic import (
@@ -28,7 +28,7 @@ from moemerge.io.atomic import (
 )
 from moemerge.io.outputs import check_output
 from moemerge.io.paths import check_output_apart
-from moemerge.io.writer import ShardedWriter, overwrite_tensors, parse_size
+from moemerge.io.writer import ShardedWriter, finite, overwrite_tensors, parse_size
 from moemerge.loading import load_causal_lm
 from moemerge.merge.primitives import count_non_finite
 from moemerge.plan.jobs import Plan, Source
@@ -208,11 +208,9 @@ def build(
             return tensor
 
         def check_finite(name: str, tensor) -> None:
-            if not allow_non_finite and (bad := count_non_finite(tensor)):
-                raise OutputError(
-                    f"output check failed: tensor {name!r} would hold {bad} NaN/Inf values "
-                    "(from non-finite inputs or merge settings); nothing was written. Pass "
-                    "--allow-non-finite to write it anyway.")
+            if not allow_non_finite:
+                finite(name, tensor, "from non-finite inputs or merge settings; pass "
+                       "--allow-non-finite to write it anyway")
 
         def write(dest: Path, recipe: AnyRecipe, plan: Plan, recipe_text: str,
                   what: str = "merging") -> None:

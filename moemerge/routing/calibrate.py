@@ -80,24 +80,24 @@ def fit_token_routers(model, ids: torch.Tensor, gates: list[tuple[int, torch.nn.
     """{layer: router [E, H]}: each gate in layer order set to fit(layer, rows [R, H], window
     of each row [R]) on its inputs over the windows ids [W, S+1] (R = W·S), and written into
     the model before the next layer's inputs are captured."""
-    by_layer = dict(gates)
     routers = {}
-    for layer, x, window in token_rows(model, ids, gates):
+    for layer, gate, x, window in token_rows(model, ids, gates):
         routers[layer] = fit(layer, x, window)
-        by_layer[layer].weight.data.copy_(routers[layer])
+        gate.weight.data.copy_(routers[layer])
     return routers
 
 
 def token_rows(model, ids: torch.Tensor, gates: list[tuple[int, torch.nn.Module]]
-               ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(layer, rows [R, H], window [R]) each router `gate` sees over the windows ids [W, S+1],
-    one row per calibration token, in layer order (routing/capture.py: a router set between
-    two of them changes what the next layers see)."""
-    for layer, x, window in layer_rows(model, ids, [(layer, gate, gate) for layer, gate in gates]):
+               ) -> Iterator[tuple[int, torch.nn.Module, torch.Tensor, torch.Tensor]]:
+    """(layer, gate, rows [R, H], window [R]) each router `gate` sees over the windows ids
+    [W, S+1], one row per calibration token, in layer order (routing/capture.py: a router set
+    between two of them changes what the next layers see)."""
+    for layer, gate, x, window in layer_rows(model, ids, [(layer, gate, gate)
+                                                          for layer, gate in gates]):
         if x.shape[0] != ids.shape[0] * (ids.shape[1] - 1):
             raise ValueError(f"layer {layer}: the router saw {x.shape[0]} rows, expected one "
                              "per calibration token")
-        yield layer, x, window
+        yield layer, gate, x, window
 
 
 def calibrate_token_routers(model, cal: Calibration, stats: dict | None = None
@@ -124,12 +124,11 @@ def calibrate_merged_routers(model, cal: Calibration) -> dict[int, torch.Tensor]
     router reads (the running means of segment 0 included), each row's target the mean target
     of its window."""
     per_window = cal.targets.mean(dim=1)  # [W, E]
-    mlps = model.mlps()
     routers = {}
-    for layer, x, window in layer_rows(model, cal.ids, [(layer, mlp.router, mlp)
-                                                         for layer, mlp in enumerate(mlps)]):
+    for layer, router, x, window in layer_rows(
+            model, cal.ids, [(layer, mlp.router, mlp) for layer, mlp in enumerate(model.mlps())]):
         routers[layer] = _solve(x, per_window[window], window, cal.confidence)
-        mlps[layer].router.weight.data.copy_(routers[layer])
+        router.weight.data.copy_(routers[layer])
     return routers
 
 

@@ -27,14 +27,17 @@ def _halt(*_) -> None:
     raise _Stop
 
 
+Tap = tuple[int, torch.nn.Module, torch.nn.Module]  # (layer, module, stop)
+
+
 @torch.no_grad()
-def layer_rows(model, ids: torch.Tensor, taps: list[tuple[int, torch.nn.Module, torch.nn.Module]]
-               ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """For each (layer, module, stop) of `taps` in layer order, yield (layer, rows [R, H] fp32,
-    window index of each row [R]): every input row `module` sees on the windows ids [W, S+1],
-    layer `layer` cut short after `stop` ran. A call's input [B, ..., H] (or its batch-major
-    flattening [B·m, H]) holds m rows per window. Between two yields the caller may change the
-    layer's router: the layers are advanced with it when the walk resumes."""
+def layer_rows(model, ids: torch.Tensor, taps: list[Tap]
+               ) -> Iterator[tuple[int, torch.nn.Module, torch.Tensor, torch.Tensor]]:
+    """For each (layer, module, stop) of `taps` in layer order, yield (layer, module, rows
+    [R, H] fp32, window index of each row [R]): every input row `module` sees on the windows
+    ids [W, S+1], layer `layer` cut short after `stop` ran. A call's input [B, ..., H] (or its
+    batch-major flattening [B·m, H]) holds m rows per window. Between two yields the caller
+    may change the layer's router: the layers are advanced with it when the walk resumes."""
     layers = list(model.model.layers)
     batches = [ids[start:start + BATCH, :-1] for start in range(0, ids.shape[0], BATCH)]
     hidden, calls = _record_calls(model, layers, batches)
@@ -45,8 +48,8 @@ def layer_rows(model, ids: torch.Tensor, taps: list[tuple[int, torch.nn.Module, 
                       for h, (args, kwargs) in zip(hidden, (c[index] for c in calls),
                                                    strict=True)]
         done = layer
-        yield layer, *_capture(layers[layer], module, stop, hidden,
-                               [c[layer] for c in calls])
+        yield layer, module, *_capture(layers[layer], module, stop, hidden,
+                                       [c[layer] for c in calls])
 
 
 def _record_calls(model, layers, batches) -> tuple[list[torch.Tensor], list[list[tuple]]]:

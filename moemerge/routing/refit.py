@@ -24,11 +24,11 @@ def refit_token_routers(model, cal: Calibration, stored: dict[int, LayerStatisti
     with_stored=False fits on the new rows alone (what the tests show differs)."""
     experts = cal.targets.shape[-1]
     routers, summed = {}, {}
-    gates = token_gates(model, experts)
-    for layer, x, window in token_rows(model, cal.ids, list(enumerate(gates))):
+    gates = list(enumerate(token_gates(model, experts)))
+    for layer, gate, x, window in token_rows(model, cal.ids, gates):
         new = layer_statistics(x, cal.targets.reshape(-1, experts),
                                held_out_windows(window + window_offset))
         summed[layer] = stored[layer].padded(experts) + new if with_stored else new
         routers[layer] = refit(summed[layer], cal.confidence)
-        gates[layer].weight.data.copy_(routers[layer])
+        gate.weight.data.copy_(routers[layer])
     return routers, summed

@@ -49,7 +49,7 @@ def test_each_layer_sees_what_a_full_forward_shows_with_the_routers_set_so_far(m
     gen = torch.Generator().manual_seed(1)
     seen = []
     taps = [(layer, gate, gate) for layer, gate in enumerate(gates(model))]
-    for layer, rows, window in layer_rows(model, ids, taps):
+    for layer, _, rows, window in layer_rows(model, ids, taps):
         seen.append(layer)
         reference = full_forward_rows(model, ids, gates(model)[layer])
         assert torch.equal(rows, reference), layer
@@ -80,7 +80,7 @@ def test_skipped_layers_advance_with_their_routers(model):
     0, 2 and 3 still run, with the routers they hold."""
     ids = torch.randint(0, 97, (BATCH + 2, 9))
     taps = [(4, gates(model)[4], gates(model)[4]), (1, gates(model)[1], gates(model)[1])]
-    got = {layer: rows for layer, rows, _ in layer_rows(model, ids, taps)}
+    got = {layer: rows for layer, _, rows, _ in layer_rows(model, ids, taps)}
     assert list(got) == [1, 4]
     for layer in (1, 4):
         assert torch.equal(got[layer], full_forward_rows(model, ids, gates(model)[layer]))
