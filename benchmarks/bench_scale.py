@@ -51,7 +51,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 RUNS = ("dense:average", "dense:task_arithmetic", "moe:average")  # TIES: --runs, see --help
 ALL_RUNS = ("dense:average", "dense:task_arithmetic", "dense:ties", "dense:dare_ties",
-            "moe:average")
+            "moe:average", "moe:base", "moe:ties")
 MERGEKIT_METHOD = {"average": "linear", "task_arithmetic": "task_arithmetic", "ties": "ties",
                    "dare_ties": "dare_ties"}
 FLOOR_REPEATS = 3  # the floor is cheap and noisy (fsync): its fastest of 3
@@ -92,11 +92,15 @@ elif mode == "moemerge":
     from moemerge.api import build
     result["startup_seconds"] = time.perf_counter() - t0
     r0, w0 = io()
+    u0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     build(args["recipe"], args["out"], progress=False, verify="structure",
           workers=args.get("workers", 1), device=args.get("device", "cpu"))
     r1, w1 = io()
-    result |= {"read_bytes": r1 - r0, "written_bytes": w1 - w0}
+    u1 = resource.getrusage(resource.RUSAGE_SELF)
+    result |= {"read_bytes": r1 - r0, "written_bytes": w1 - w0,
+               "user_s": u1.ru_utime - u0.ru_utime, "sys_s": u1.ru_stime - u0.ru_stime,
+               "minor_faults": u1.ru_minflt - u0.ru_minflt}
 elif mode == "compute":  # the merge arithmetic alone, inputs already in memory, no I/O
     import torch
     try:
@@ -156,7 +160,9 @@ else:  # an external command; poll its /proc/<pid>/io, peak RSS from wait4
     if proc.returncode:
         sys.stderr.write(proc.stderr.read().decode()[-3000:])
         sys.exit(1)
-    result |= {"read_bytes": last[0], "written_bytes": last[1]}
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result |= {"read_bytes": last[0], "written_bytes": last[1], "user_s": used.ru_utime,
+               "sys_s": used.ru_stime, "minor_faults": used.ru_minflt}
 result["seconds"] = time.perf_counter() - t0
 result["peak_rss_mib"] = (resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
                           if mode == "cmd" else hwm())
@@ -306,7 +312,7 @@ def main() -> None:
                 shutil.rmtree(out)
                 runs[f"moemerge:{kind}:{method}:cold"] = r
                 print("cold", kind, runs[f"{floor}:cold"], r, flush=True)
-        if opts.mergekit is not None and (kind == "dense" or method == "average"):
+        if opts.mergekit is not None and (kind == "dense" or method in ("average", "base")):
             tool = "mergekit-yaml" if kind == "dense" else "mergekit-moe"
             cmd = [str(opts.mergekit / tool), str(mergekit_recipe(work, base, experts, kind,
                                                                   method)), str(out),
@@ -369,6 +375,9 @@ def report(opts, runs: dict, made: dict) -> None:
             "read_gb": round(r["read_bytes"] / 1e9, 2) if "read_bytes" in r else None,
             "written_gb": round(r["written_bytes"] / 1e9, 2) if "written_bytes" in r else None,
             "out_gb": round(r["out_bytes"] / 1e9, 2) if "out_bytes" in r else None,
+            "user_sys_s": f"{r['user_s']:.1f} / {r['sys_s']:.1f}" if "user_s" in r else None,
+            "minor_faults_m": round(r["minor_faults"] / 1e6, 2) if "minor_faults" in r
+            else None,
         })
     stamp = provenance()
     meta = {
@@ -392,8 +401,8 @@ def report(opts, runs: dict, made: dict) -> None:
     everything[tag] = {"provenance": stamp, "meta": meta, "runs": rows}
     file.write_text(json.dumps(everything, indent=2) + "\n")
     lines = ["| run | build s | command s | × I/O floor | × mergekit time | peak RSS MiB | "
-             "× mergekit RSS | read GB | written GB | output GB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "× mergekit RSS | read GB | written GB | output GB | user / sys s | minor faults M |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join("–" if v is None else str(v) for v in row.values()) + " |"
               for row in rows]
     table = "\n".join(lines)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import torch
 import yaml
 
 from moemerge.assemble.card import model_card
@@ -28,10 +29,17 @@ from moemerge.io.atomic import (
 )
 from moemerge.io.outputs import check_output
 from moemerge.io.paths import check_output_apart
-from moemerge.io.writer import ShardedWriter, finite, overwrite_tensors, parse_size
+from moemerge.io.reader import CheckpointReader, TensorMeta, count_non_finite_stored
+from moemerge.io.writer import (
+    ShardedWriter,
+    finite,
+    overwrite_tensors,
+    parse_size,
+    refuse_non_finite,
+)
 from moemerge.loading import load_causal_lm
 from moemerge.merge.primitives import count_non_finite
-from moemerge.plan.jobs import Plan, Source
+from moemerge.plan.jobs import Job, Plan, Source
 from moemerge.plan.memory import Estimate, estimate
 from moemerge.plan.params import override_layer_warnings
 from moemerge.plan.recipe_plan import labelled_refs as _labelled_refs
@@ -194,34 +202,56 @@ def build(
         check_output_apart(out, [(f"input model {m.label}", m.path) for m in models])
         seen_non_finite: set[Source] = set()
 
-        def load(source: Source):
-            tensor = models[source.model].reader.read(source.tensor)
-            if source.rows is not None:
-                tensor = tensor[slice(*source.rows)]
-            if source not in seen_non_finite and (bad := count_non_finite(tensor)):
+        def check_input(source: Source, bad: int) -> None:
+            if bad and source not in seen_non_finite:
                 seen_non_finite.add(source)
                 message = (f"tensor {source.tensor!r} of {models[source.model].where()} holds "
                            f"{bad} NaN/Inf values")
                 if strict:
                     raise CheckpointError(f"{message} (--strict)")
                 warn(message)
+
+        def load(source: Source):
+            tensor = models[source.model].reader.read(source.tensor)
+            if source.rows is not None:
+                tensor = tensor[slice(*source.rows)]
+            if source not in seen_non_finite:
+                check_input(source, count_non_finite(tensor))
             return tensor
+
+        def stored(source: Source):  # None where a reader remakes its tensors (upcycle, vocab)
+            reader = models[source.model].reader
+            return reader.stored(source.tensor) if isinstance(reader, CheckpointReader) else None
+
+        whence = ("from non-finite inputs or merge settings; pass --allow-non-finite to write "
+                  "it anyway")
 
         def check_finite(name: str, tensor) -> None:
             if not allow_non_finite:
-                finite(name, tensor, "from non-finite inputs or merge settings; pass "
-                       "--allow-non-finite to write it anyway")
+                finite(name, tensor, whence)
+
+        def put(writer: ShardedWriter, job: Job, tensor: torch.Tensor | TensorMeta) -> None:
+            if isinstance(tensor, torch.Tensor):
+                check_finite(job.output, tensor)
+                writer.write(job.output, tensor)
+                return
+            # copied unchanged by the kernel: its values checked in place, once, as both
+            # the input it is and the output it becomes
+            bad = count_non_finite_stored(tensor)
+            check_input(job.sources[0], bad)
+            if not allow_non_finite:
+                refuse_non_finite(job.output, bad, whence)
+            writer.copy(job.output, tensor)
 
         def write(dest: Path, recipe: AnyRecipe, plan: Plan, recipe_text: str,
                   what: str = "merging") -> None:
             planned = [(j.output, j.dtype, tuple(j.shape)) for j in plan.jobs]
             with ShardedWriter(dest, planned, max_shard_bytes=max_shard) as writer:
                 jobs = run_jobs(plan, load, make_router, recipe.seed, lookahead=lookahead,
-                                workers=workers, device=device)
+                                workers=workers, device=device, stored=stored)
                 for job, tensor in stage.bar(what, jobs, plan.total_bytes, len(plan.jobs),
                                              lambda item: item[0].nbytes):
-                    check_finite(job.output, tensor)
-                    writer.write(job.output, tensor)
+                    put(writer, job, tensor)
             (dest / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
             copy_side_files(_tokenizer_source(recipe, models).path, dest, SIDE_FILES)
             if "auto_map" in plan.config:

@@ -15,12 +15,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from moemerge.errors import RecipeError
+from moemerge.io.reader import TensorMeta
 from moemerge.merge.dispatch import merge
 from moemerge.merge.least_squares import padded_average_fit
 from moemerge.merge.primitives import generator_for, zero_pad
 from moemerge.plan.jobs import Job, Plan, Source
 
 Load = Callable[[Source], torch.Tensor]
+# where a source's bytes lie when they are the output unchanged (no cast, no slice), else None
+Stored = Callable[[Source], TensorMeta | None]
 MakeRouter = Callable[[Job, Load], torch.Tensor]
 
 
@@ -101,13 +104,24 @@ def _serialised(function: MakeRouter) -> MakeRouter:
     return call
 
 
+def byte_copy(job: Job, stored: Stored | None) -> TensorMeta | None:
+    """The stored tensor a copy job passes through unchanged, if its bytes are the output's."""
+    if job.kind != "copy" or stored is None or job.sources[0].rows is not None:
+        return None
+    meta = stored(job.sources[0])
+    same = meta is not None and meta.dtype == job.dtype and meta.shape == tuple(job.shape)
+    return meta if same else None
+
+
 def run_jobs(
     plan: Plan, load: Load, make_router: MakeRouter | None, seed: int, *, lookahead: int = 3,
-    workers: int = 1, device: torch.device | str = "cpu",
-) -> Iterator[tuple[Job, torch.Tensor]]:
+    workers: int = 1, device: torch.device | str = "cpu", stored: Stored | None = None,
+) -> Iterator[tuple[Job, torch.Tensor | TensorMeta]]:
     """Yield (job, tensor) in plan order, computing up to `lookahead` jobs ahead on `workers`
     merge threads (each output tensor's bytes depend only on its own job: random methods draw
-    from a generator of (seed, tensor name), so any worker count gives the same output)."""
+    from a generator of (seed, tensor name), so any worker count gives the same output).
+    With `stored`, a copy whose bytes are the output's is yielded as (job, TensorMeta), unread,
+    for the writer to copy file to file."""
     lookahead = max(lookahead, workers)
     if make_router is not None and workers > 1:  # router factories cache what they read
         make_router = _serialised(make_router)
@@ -123,6 +137,11 @@ def run_jobs(
         jobs = iter(plan.jobs)
 
         def submit(job: Job) -> None:
+            if (meta := byte_copy(job, stored)) is not None:
+                done: Future = Future()
+                done.set_result(meta)
+                pending.append((job, done))
+                return
             loaded = reads.submit(prefetch, job)
             pending.append((job, merges.submit(
                 lambda: compute(job, loaded.result().__getitem__, make_router, seed, device)

@@ -6,13 +6,19 @@ Tensor data is read with pread (`os.preadv`) straight into each tensor's own mem
 file descriptors kept in a small LRU (`max_open_files`); nothing is memory-mapped, so a model
 streamed through does not count in RSS (see `_RawFile`). Pickled .bin files (--allow-pickle)
 are the exception: `torch.load(mmap=True)`, each tensor copied out of the mapping.
+
+A tensor that goes to the output unchanged is not read at all: `stored(name)` gives its byte
+range, the writer has the kernel copy it (io/writer.py), and `count_non_finite_stored` checks
+its values through a read-only mapping of the page cache, a window at a time.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import struct
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +29,7 @@ import torch
 from moemerge.errors import CheckpointError
 from moemerge.io import jsontext
 from moemerge.io.paths import check_tree_confined, confined
+from moemerge.merge.primitives import count_non_finite
 
 # safetensors dtype strings -> torch dtypes (the writer uses the inverse map)
 DTYPES: dict[str, torch.dtype] = {
@@ -272,6 +279,12 @@ class CheckpointReader:
         except KeyError:
             raise CheckpointError(f"tensor {name!r} is not in {self.directory}") from None
 
+    def stored(self, name: str) -> TensorMeta | None:
+        """Where tensor `name`'s bytes lie, when a byte copy of them is the tensor (a
+        .safetensors file: raw little-endian data at `offset`); None for a pickle."""
+        meta = self.meta(name)
+        return meta if meta.offset >= 0 else None
+
     def read(self, name: str) -> torch.Tensor:
         """One tensor, owning its memory (safe after the file's handle closes)."""
         meta = self.meta(name)
@@ -329,3 +342,33 @@ class _RawFile:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+MAP_WINDOW = 64 * 2**20  # bytes mapped at once: a 500 MiB embedding never counts whole in RSS
+
+
+def count_non_finite_stored(meta: TensorMeta) -> int:
+    """`count_non_finite` of a stored tensor, read through read-only shared mappings of its
+    file (page-cache pages, prefaulted; nothing copied, no anonymous memory), a window at a
+    time. For tensors copied unchanged, whose bytes never enter this process otherwise."""
+    if not meta.dtype.is_floating_point:
+        return 0
+    window = MAP_WINDOW - MAP_WINDOW % meta.dtype.itemsize
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # Linux: one fault per window
+    bad = 0
+    try:
+        with open(meta.file, "rb") as f:
+            for first in range(meta.offset, meta.offset + meta.nbytes, window):
+                size = min(window, meta.offset + meta.nbytes - first)
+                start = first - first % mmap.ALLOCATIONGRANULARITY
+                with mmap.mmap(f.fileno(), first + size - start, flags=flags,
+                               prot=mmap.PROT_READ, offset=start) as mapped:
+                    with warnings.catch_warnings():  # read-only: torch warns it is not writable
+                        warnings.simplefilter("ignore", UserWarning)
+                        values = torch.frombuffer(mapped, dtype=torch.uint8, count=size,
+                                                  offset=first - start).view(meta.dtype)
+                    bad += count_non_finite(values)
+                    del values  # the mapping closes only when no tensor holds it
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{meta.file}: cannot read tensor {meta.name!r}: {exc}") from None
+    return bad

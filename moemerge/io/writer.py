@@ -5,24 +5,30 @@ exists, each file is created at its full size, and `write` puts a tensor's bytes
 peak memory is one tensor, and each file is byte-identical to `safetensors.torch.save_file` of
 the same tensors (with metadata {"format": "pt"}; safetensors orders further metadata keys by
 hash, so with more keys only the order inside `__metadata__` may differ).
+
+`copy` puts a stored tensor's bytes in by the kernel (`os.copy_file_range`: page cache to page
+cache, nothing through this process), falling back to a buffered copy where the file systems
+refuse it.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import re
 import struct
+from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from moemerge.errors import OutputError
+from moemerge.errors import CheckpointError, OutputError
 from moemerge.io.atomic import NO_SPACE, NoSpaceLeft
-from moemerge.io.reader import DTYPES, SAFETENSORS_INDEX, read_safetensors_header
+from moemerge.io.reader import DTYPES, SAFETENSORS_INDEX, TensorMeta, read_safetensors_header
 from moemerge.merge.primitives import count_non_finite
 
 Planned = tuple[str, torch.dtype, tuple[int, ...]]
@@ -142,19 +148,41 @@ class ShardedWriter:
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Put one planned tensor's bytes at its offset; tensors may come in any order."""
+        shard, offset = self._slot(name, tensor.dtype, tuple(tensor.shape))
+        self._put(name, shard, lambda: _pwrite_all(self._fds[shard], _raw_bytes(tensor), offset))
+
+    def copy(self, name: str, stored: TensorMeta) -> None:
+        """Put a stored tensor's bytes (`CheckpointReader.stored`) at planned tensor `name`'s
+        offset, unchanged, by the kernel."""
+        shard, offset = self._slot(name, stored.dtype, stored.shape)
+        try:
+            src = os.open(stored.file, os.O_RDONLY)
+        except OSError as exc:
+            raise CheckpointError(f"{stored.file}: cannot read tensor {stored.name!r}: "
+                                  f"{exc.strerror}") from None
+        try:
+            self._put(name, shard, lambda: _copy_range(src, stored.offset, self._fds[shard],
+                                                       offset, stored.nbytes, stored))
+        finally:
+            os.close(src)
+
+    def _slot(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, int]:
+        """(shard index, byte offset) of planned tensor `name`, checked against what comes."""
         if self._closed:
             raise OutputError(f"tensor {name!r}: the writer is closed")
         if name not in self._planned:
             raise OutputError(f"tensor {name!r} is not in the plan")
         if name in self._written:
             raise OutputError(f"tensor {name!r} was already written")
-        dtype, shape = self._planned[name]
-        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise OutputError(f"tensor {name!r}: planned {dtype} {list(shape)}, got "
-                              f"{tensor.dtype} {list(tensor.shape)}")
-        shard, offset = self._where[name]
+        planned_dtype, planned_shape = self._planned[name]
+        if dtype != planned_dtype or shape != planned_shape:
+            raise OutputError(f"tensor {name!r}: planned {planned_dtype} {list(planned_shape)}, "
+                              f"got {dtype} {list(shape)}")
+        return self._where[name]
+
+    def _put(self, name: str, shard: int, put: Callable[[], None]) -> None:
         try:
-            _pwrite_all(self._fds[shard], _raw_bytes(tensor), offset)
+            put()
         except OSError as exc:
             if exc.errno not in NO_SPACE:
                 raise OutputError(f"cannot write {self._files[shard]}: {exc.strerror}") from None
@@ -209,10 +237,15 @@ def finite(name: str, tensor: torch.Tensor, whence: str) -> torch.Tensor:
     """`tensor` as it is, or an OutputError when it holds NaN / Inf: what `build` refuses
     without --allow-non-finite, refused too by the commands that remake a model's tensors
     (extend, extract, shrink, export). `whence`: where its values came from."""
-    if bad := count_non_finite(tensor):
+    refuse_non_finite(name, count_non_finite(tensor), whence)
+    return tensor
+
+
+def refuse_non_finite(name: str, bad: int, whence: str) -> None:
+    """`finite`'s refusal, for a tensor whose `bad` NaN / Inf values were counted elsewhere."""
+    if bad:
         raise OutputError(f"output check failed: tensor {name!r} would hold {bad} NaN/Inf "
                           f"values ({whence}); nothing was written")
-    return tensor
 
 
 def overwrite_tensors(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -251,3 +284,35 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     while view.nbytes:  # pwrite may write fewer bytes than asked for
         done = os.pwrite(fd, view, offset)
         view, offset = view[done:], offset + done
+
+
+# copy_file_range refused: across file systems on old kernels, by some file systems, or absent
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.ETXTBSY}
+COPY_BUFFER = 16 * 2**20
+
+
+def _copy_range(src: int, src_offset: int, dst: int, dst_offset: int, size: int,
+                stored: TensorMeta) -> None:
+    """`size` bytes from `src` at `src_offset` to `dst` at `dst_offset`: by the kernel where it
+    can, else through one reused buffer. `stored`: what is copied, for the error when the
+    source file is shorter than its header said (it changed since it was opened)."""
+    def ended_early() -> CheckpointError:
+        return CheckpointError(f"{stored.file} ended early while reading {stored.name!r}")
+
+    while size:
+        try:
+            done = os.copy_file_range(src, dst, size, src_offset, dst_offset)
+        except OSError as exc:
+            if exc.errno not in _NO_KERNEL_COPY:
+                raise
+            break
+        if done == 0:
+            raise ended_early()
+        src_offset, dst_offset, size = src_offset + done, dst_offset + done, size - done
+    buffer = memoryview(bytearray(min(size, COPY_BUFFER)))
+    while size:
+        got = os.preadv(src, [buffer[:min(size, COPY_BUFFER)]], src_offset)
+        if got == 0:
+            raise ended_early()
+        _pwrite_all(dst, buffer[:got], dst_offset)
+        src_offset, dst_offset, size = src_offset + got, dst_offset + got, size - got

@@ -54,7 +54,7 @@ def kth_largest(parts: Parts, k: int) -> Tensor:
     65536 counts and that bucket's entries."""
     counts, total = None, 0  # the counts live where the parts do (a GPU under --device cuda)
     for part in parts():
-        keys = (part.reshape(-1).view(torch.int32) >> 15).long()
+        keys = part.reshape(-1).view(torch.int32) >> 15  # int32: bincount is slower on int64
         hist = torch.bincount(keys, minlength=_BUCKETS)
         counts = hist if counts is None else counts.add_(hist)
         total += part.numel()

@@ -176,3 +176,28 @@ def test_a_relative_model_directory_reads(model_factory, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with CheckpointReader("m") as reader:
         assert reader.read("model.embed_tokens.weight").shape[0] == 300
+
+
+@pytest.mark.parametrize("window", [6, 4096, 64 * 2**20])
+def test_non_finite_counted_in_place_window_by_window(tmp_path, monkeypatch, window):
+    """count_non_finite_stored maps the file a window at a time (windows that start off a page
+    boundary, values that cross none): the same count as the tensor read whole."""
+    monkeypatch.setattr(reader_module, "MAP_WINDOW", window)
+    values = torch.randn(4099).bfloat16()
+    values[[0, 1, 2048, 4098]] = torch.tensor([float("nan"), float("inf"), -float("inf"),
+                                               float("nan")]).bfloat16()
+    tensors = {"a": torch.randn(3), "b": values, "c": torch.arange(4), "d": torch.zeros(0),
+               "e": torch.randn(5, 3).half()}
+    with CheckpointReader(checkpoint(tmp_path / "m", tensors)) as reader:
+        counts = {n: reader_module.count_non_finite_stored(reader.stored(n)) for n in tensors}
+        assert reader.stored("b").offset > 8 and reader.stored("b").offset % 4096  # off a page
+    assert counts == {"a": 0, "b": 4, "c": 0, "d": 0, "e": 0}
+
+
+def test_stored_is_none_for_a_pickle(tmp_path):
+    directory = tmp_path / "m"
+    directory.mkdir()
+    (directory / "config.json").write_text('{"model_type": "llama"}')
+    torch.save({"w": torch.randn(2)}, directory / "pytorch_model.bin")
+    with CheckpointReader(directory, allow_pickle=True) as reader:
+        assert reader.stored("w") is None

@@ -150,3 +150,62 @@ def test_parse_size(text, size):
 def test_parse_size_rejects_junk(text):
     with pytest.raises(ValueError, match="size"):
         parse_size(text)
+
+
+@pytest.mark.parametrize("how", ["kernel", "buffered"])
+def test_copy_puts_the_stored_bytes(tmp_path, monkeypatch, how):
+    """Half the tensors copied from a stored file (by copy_file_range, or through a small
+    reused buffer where the kernel refuses), half written: the save_file bytes."""
+    import errno
+    import os
+
+    import moemerge.io.writer as writer_module
+    from moemerge.io.reader import read_safetensors_header
+
+    if how == "buffered":
+        def refuse(*args):
+            raise OSError(errno.EXDEV, "cross-device")
+        monkeypatch.setattr(os, "copy_file_range", refuse)
+        monkeypatch.setattr(writer_module, "COPY_BUFFER", 3)
+    save_file(TENSORS, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    stored = read_safetensors_header(tmp_path / "ref.safetensors")
+    (tmp_path / "out").mkdir()
+    with ShardedWriter(tmp_path / "out", planned(TENSORS)) as writer:
+        for i, name in enumerate(reversed(TENSORS)):
+            if i % 2:
+                writer.copy(name, stored[name])
+            else:
+                writer.write(name, TENSORS[name])
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == \
+        (tmp_path / "ref.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_copy_from_a_file_cut_short_names_it(tmp_path, monkeypatch, kernel):
+    import errno
+    import os
+
+    from moemerge.errors import CheckpointError
+    from moemerge.io.reader import read_safetensors_header
+
+    if not kernel:
+        monkeypatch.setattr(os, "copy_file_range", lambda *a: (_ for _ in ()).throw(
+            OSError(errno.ENOSYS, "no")))
+    tensors = {"big": torch.randn(1000)}
+    src = tmp_path / "src.safetensors"
+    save_file(tensors, src)
+    stored = read_safetensors_header(src)["big"]
+    os.truncate(src, src.stat().st_size - 100)  # changed after its header was read
+    (tmp_path / "out").mkdir()
+    with pytest.raises(CheckpointError, match="ended early.*'big'"):
+        with ShardedWriter(tmp_path / "out", planned(tensors)) as writer:
+            writer.copy("big", stored)
+    with pytest.raises(OutputError, match="planned torch.float32 \\[1000\\], got torch.float16"):
+        with ShardedWriter(tmp_path / "out", planned(tensors)) as writer:
+            writer.copy("big", read_safetensors_header(
+                save_half(tmp_path / "half.safetensors"))["big"])
+
+
+def save_half(file):
+    save_file({"big": torch.randn(1000).half()}, file)
+    return file
