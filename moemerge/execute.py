@@ -7,10 +7,12 @@ at most `lookahead` jobs are in flight, which bounds memory to a few tensors per
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 
@@ -113,6 +115,25 @@ def byte_copy(job: Job, stored: Stored | None) -> TensorMeta | None:
     return meta if same else None
 
 
+def intra_op_threads(workers: int) -> int:
+    """Torch threads per merge worker: the cores this process may use, less one for the reader
+    and the writer, shared by the workers. Each pool sized alone (torch's default: every core)
+    makes them fight: on 2 cores a 1B-shape average build switched context 97k times with 2
+    torch threads and 2.5k with 1 (benchmarks/README.md)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, ((cores or 1) - 1) // max(1, workers))
+
+
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def run_jobs(
     plan: Plan, load: Load, make_router: MakeRouter | None, seed: int, *, lookahead: int = 3,
     workers: int = 1, device: torch.device | str = "cpu", stored: Stored | None = None,
@@ -130,6 +151,7 @@ def run_jobs(
         return {s: load(s) for s in job.inputs}
 
     with (
+        torch_threads(intra_op_threads(workers)),
         ThreadPoolExecutor(1, "moemerge-read") as reads,
         ThreadPoolExecutor(workers, "moemerge-merge") as merges,
     ):

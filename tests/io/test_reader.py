@@ -201,3 +201,29 @@ def test_stored_is_none_for_a_pickle(tmp_path):
     torch.save({"w": torch.randn(2)}, directory / "pytorch_model.bin")
     with CheckpointReader(directory, allow_pickle=True) as reader:
         assert reader.stored("w") is None
+
+
+def test_tensors_read_land_on_huge_pages(tmp_path):
+    """`import moemerge` before torch puts large tensors on transparent huge pages: reading a
+    64 MiB tensor faults in tens of pages, not 16k (a user's own THP_MEM_ALLOC_ENABLE wins)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    setting = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not setting.is_file() or "[never]" in setting.read_text():
+        pytest.skip("this kernel gives no transparent huge pages")
+    save_file({"w": torch.zeros(16 * 2**20)}, tmp_path / "w.safetensors")
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    script = ("import resource, moemerge, torch\nfrom moemerge.io.reader import CheckpointReader\n"
+              "r = CheckpointReader(__import__('sys').argv[1])\n"
+              "f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\nr.read('w')\n"
+              "print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f)")
+    def faults(**env):
+        done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True,
+                              capture_output=True, text=True,
+                              env={k: v for k, v in os.environ.items()
+                                   if k != "THP_MEM_ALLOC_ENABLE"} | env)
+        return int(done.stdout.split()[-1])
+    assert faults() < 2000 < 16384 <= faults(THP_MEM_ALLOC_ENABLE="0")
