@@ -51,9 +51,11 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 RUNS = ("dense:average", "dense:task_arithmetic", "moe:average")  # TIES: --runs, see --help
 ALL_RUNS = ("dense:average", "dense:task_arithmetic", "dense:ties", "dense:dare_ties",
-            "moe:average", "moe:base", "moe:ties")
+            "dense:dare_ties_l1", "moe:average", "moe:base", "moe:ties")
+# dare_ties_l1: moemerge's dare_ties with mergekit's L1 rescale (what import-mergekit writes);
+# mergekit's dare_ties rescales by L1 itself
 MERGEKIT_METHOD = {"average": "linear", "task_arithmetic": "task_arithmetic", "ties": "ties",
-                   "dare_ties": "dare_ties"}
+                   "dare_ties": "dare_ties", "dare_ties_l1": "dare_ties"}
 FLOOR_REPEATS = 3  # the floor is cheap and noisy (fsync): its fastest of 3
 MERGEKIT_FAST = ["-j", "2", "--async-write", "--lazy-unpickle", "--quiet"]
 CHILD = r"""
@@ -214,10 +216,11 @@ def moemerge_recipe(root: Path, base: str, experts: list[str], kind: str, method
     path = root / f"moemerge-{kind}-{method}.yaml"
     listed = "".join(f"\n  - {e}" for e in experts)
     if kind == "dense":
-        params = {"average": "", "task_arithmetic": ", lambda: 1.0"}.get(
+        params = {"average": "", "task_arithmetic": ", lambda: 1.0",
+                  "dare_ties_l1": ", density: 0.5, lambda: 1.0, rescale: l1"}.get(
             method, ", density: 0.5, lambda: 1.0")  # a method takes only its own parameters
         path.write_text(f"kind: merge\nbase_model: {base}\nmodels:{listed}\n"
-                        f"merge: {{method: {method}{params}}}\n")
+                        f"merge: {{method: {method.removesuffix('_l1')}{params}}}\n")
     else:
         path.write_text(f"kind: moe\nassembly: token_routed\nbase_model: {base}\n"
                         f"experts:{listed}\nexperts_per_token: 2\nmerge: {{method: {method}}}\n")
@@ -228,7 +231,7 @@ def mergekit_recipe(root: Path, base: str, experts: list[str], kind: str, method
     path = root / f"mergekit-{kind}-{method}.yaml"
     if kind == "dense":
         mk = MERGEKIT_METHOD[method]
-        params = "weight: 1.0" + (", density: 0.5" if method in ("ties", "dare_ties") else "")
+        params = "weight: 1.0" + (", density: 0.5" if "ties" in method else "")
         entries = "".join(f"\n  - model: {m}\n    parameters: {{{params}}}" for m in experts)
         norm = "normalize: true" if method == "average" else "normalize: false"
         based = "" if method == "average" else f"base_model: {base}\n"
@@ -312,7 +315,12 @@ def main() -> None:
                 shutil.rmtree(out)
                 runs[f"moemerge:{kind}:{method}:cold"] = r
                 print("cold", kind, runs[f"{floor}:cold"], r, flush=True)
-        if opts.mergekit is not None and (kind == "dense" or method in ("average", "base")):
+        # one mergekit run per mergekit recipe (dare_ties_l1's is dare_ties')
+        done_as = next((k for k in runs if kind == "dense" and k.startswith("mergekit:dense:")
+                        and MERGEKIT_METHOD[k.split(":")[2]] == MERGEKIT_METHOD[method]), None)
+        if done_as is not None:
+            runs[f"mergekit:{kind}:{method}"] = runs[done_as]
+        elif opts.mergekit is not None and (kind == "dense" or method in ("average", "base")):
             tool = "mergekit-yaml" if kind == "dense" else "mergekit-moe"
             cmd = [str(opts.mergekit / tool), str(mergekit_recipe(work, base, experts, kind,
                                                                   method)), str(out),
@@ -355,7 +363,11 @@ def report(opts, runs: dict, made: dict) -> None:
     rows = []
     errors = {name: r.pop("error") for name, r in list(runs.items()) if "error" in r}
     runs = {name: r for name, r in runs.items() if name not in errors}
+    listed: set[int] = set()
     for name, r in runs.items():
+        if id(r) in listed:  # a mergekit run shared by two moemerge rows: its row once
+            continue
+        listed.add(id(r))
         tool, kind, *rest = name.split(":") + [""]
         cold = name.endswith(":cold")
         reads = "experts" if rest[0] == "average" else "all"

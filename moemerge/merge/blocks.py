@@ -9,9 +9,9 @@ written in its own dtype as it is made.
 A method may run in blocks when every output entry depends only on the inputs at the same
 place, given some statistics of the whole tensor computed first (TIES's and breadcrumbs'
 magnitude thresholds, found here by an exact two-pass histogram select that streams over the
-same blocks). The registry names, per method, the function that returns those statistics (as
-extra keyword arguments for every block), or None when the parameters need the whole tensor
-(e.g. mergekit's L1 rescale, a norm of the whole tensor after the drop).
+same blocks; the whole tensor's L1 factors of DARE's and DELLA's mergekit rescale, from a
+replay of the drop). The registry names, per method, the function that returns those
+statistics (as extra keyword arguments for every block); a method without one runs whole.
 
 Random methods draw their masks block after block, model after model, from the one
 per-tensor generator; the blocks depend only on the tensor's shape, never on threads or
@@ -25,7 +25,16 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from moemerge.merge.primitives import PerModel, check_density, keep_count, per_model
+from moemerge.merge.primitives import (
+    PerModel,
+    check_density,
+    dare_drop,
+    keep_count,
+    l1_factor,
+    per_model,
+    task_vectors,
+)
+from moemerge.merge.sparse import magprune
 
 BLOCK_ELEMENTS = 1 << 18  # 1 MiB per float32 block: a few of them per model stay in cache
 _BUCKETS = 1 << 16  # the top 16 bits of a non-negative float32: exponent and 7 mantissa bits
@@ -79,10 +88,50 @@ def elementwise(base: Tensor | None, tensors: Sequence[Tensor], blocks: list[sli
     return {}
 
 
-def unless_l1(base: Tensor | None, tensors: Sequence[Tensor], blocks: list[slice],
-              **params) -> dict | None:
-    """Random drops: elementwise, unless the survivors are L1-rescaled over the whole tensor."""
-    return None if params.get("rescale") == "l1" else {}
+def dare_l1(base: Tensor, tensors: Sequence[Tensor], blocks: list[slice], *,
+            density: PerModel, rescale: str = "expectation",
+            generator: torch.Generator | None = None, **params) -> dict:
+    """DARE's L1 rescale (mergekit's) in row blocks: each model's factor |τ|₁ / |kept|₁ over
+    the whole tensor, from the masks the merge will draw; nothing for the other rescales."""
+    if rescale != "l1":
+        return {}
+    densities = per_model(density, len(tensors))
+    return {"l1_scale": _l1_scales(base, tensors, blocks, generator,
+                                   lambda tau, i, g: dare_drop(tau, densities[i], g, "none"))}
+
+
+def della_l1(base: Tensor, tensors: Sequence[Tensor], blocks: list[slice], *,
+             density: PerModel, epsilon: PerModel, rescale: str = "expectation",
+             generator: torch.Generator | None = None, **params) -> dict:
+    """dare_l1 for DELLA's MagPrune."""
+    if rescale != "l1":
+        return {}
+    densities, epsilons = per_model(density, len(tensors)), per_model(epsilon, len(tensors))
+    return {"l1_scale": _l1_scales(
+        base, tensors, blocks, generator,
+        lambda tau, i, g: magprune(tau, densities[i], epsilons[i], g, "none"))}
+
+
+def _l1_scales(base: Tensor, tensors: Sequence[Tensor], blocks: list[slice],
+               generator: torch.Generator | None,
+               drop: Callable[[Tensor, int, torch.Generator], Tensor]) -> Tensor:
+    """[N] L1 factors of a random drop over the whole tensor (primitives.l1_factor). The drop
+    is replayed as the merge makes it, block after block and model after model from the one
+    generator, whose state is then put back: the merge draws the same masks again. Norms
+    summed in float64 over the blocks."""
+    n = len(tensors)
+    before = torch.zeros(n, dtype=torch.float64, device=base.device)
+    after = torch.zeros_like(before)
+    state = generator.get_state() if generator is not None else None
+    for b in blocks:
+        # the merge makes a fixed-seed generator per call without one (methods._dare)
+        draws = generator if generator is not None else torch.Generator().manual_seed(0)
+        for i, tau in enumerate(task_vectors(base[b], [t[b] for t in tensors])):
+            before[i] += tau.abs().sum(dtype=torch.float64)
+            after[i] += drop(tau, i, draws).abs().sum(dtype=torch.float64)
+    if generator is not None:
+        generator.set_state(state)
+    return l1_factor(before.float(), after.float())
 
 
 def trim_thresholds(base: Tensor, tensors: Sequence[Tensor], blocks: list[slice], *,

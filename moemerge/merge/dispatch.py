@@ -95,7 +95,8 @@ def merge(method: str, *, base: Tensor | None, tensors: Sequence[Tensor], weight
     rows = blocks.row_blocks(tensors[0].shape, block or blocks.BLOCK_ELEMENTS)
     statistics = spec.block_statistics
     extra = None if len(rows) == 1 or statistics is None else statistics(
-        base if uses_base else None, tensors, rows, **kwargs)
+        base if uses_base else None, tensors, rows, **kwargs,
+        **({"generator": generator} if spec.random else {}))  # a drop replayed draws the same
     if spec.weights:
         kwargs["weights"] = weights
     if spec.random:

@@ -97,30 +97,35 @@ def ties(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
 
 
 def _dare(base: Tensor, tensors: Sequence[Tensor], density: PerModel,
-          generator: torch.Generator | None, rescale: str = "expectation") -> Tensor:
+          generator: torch.Generator | None, rescale: str = "expectation",
+          l1_scale: Tensor | None = None) -> Tensor:
     """[N, *shape] dropped-and-rescaled task vectors, each at its model's density. One
     generator for the output tensor, consumed in expert order; None means a fixed seed 0
-    (reproducible, never the global RNG)."""
+    (reproducible, never the global RNG). `l1_scale` [N]: the whole tensor's L1 factors, when
+    this is one row block of it."""
     generator = generator if generator is not None else torch.Generator().manual_seed(0)
-    return torch.stack([dare_drop(t, d, generator, rescale) for t, d in zip(
-        task_vectors(base, tensors), per_model(density, len(tensors)), strict=True)])
+    scales = [None] * len(tensors) if l1_scale is None else list(l1_scale)
+    return torch.stack([dare_drop(t, d, generator, rescale, s) for t, d, s in zip(
+        task_vectors(base, tensors), per_model(density, len(tensors)), scales, strict=True)])
 
 
 def dare_linear(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
                 density: PerModel = DEFAULT_DENSITY, lam: float = DEFAULT_LAMBDA,
                 normalize: bool = True, generator: torch.Generator | None = None,
-                rescale: str = "expectation") -> Tensor:
+                rescale: str = "expectation", l1_scale: Tensor | None = None) -> Tensor:
     """θ_base + λ Σ w_i DARE(τ_i)."""
     w = weights_of(weights, len(tensors), normalize)
-    return base.float() + lam * combine(_dare(base, tensors, density, generator, rescale), w)
+    return base.float() + lam * combine(_dare(base, tensors, density, generator, rescale,
+                                              l1_scale), w)
 
 
 def dare_ties(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
               density: PerModel = DEFAULT_DENSITY, lam: float = DEFAULT_LAMBDA,
               generator: torch.Generator | None = None, rescale: str = "expectation",
-              normalize: bool = True, consensus: str = "sum", zero_vote: str = "none") -> Tensor:
+              normalize: bool = True, consensus: str = "sum", zero_vote: str = "none",
+              l1_scale: Tensor | None = None) -> Tensor:
     """θ_base + λ · disjoint_mean(DARE(τ), elect_sign(w · DARE(τ)), w): DARE replaces the trim."""
     w = weights_of(weights, len(tensors), normalize=False)
-    dropped = _dare(base, tensors, density, generator, rescale)
+    dropped = _dare(base, tensors, density, generator, rescale, l1_scale)
     return consensus_merge(base, dropped, w, lam, normalize=normalize, consensus=consensus,
                            zero_vote=zero_vote)

@@ -136,30 +136,38 @@ def disjoint_mean_(taus: Tensor, sign: Tensor, weights: Tensor | None,
 
 
 def dare_drop(tau: Tensor, density: float, generator: torch.Generator,
-              rescale: bool | str = "expectation") -> Tensor:
+              rescale: bool | str = "expectation", l1_scale: Tensor | None = None) -> Tensor:
     """DARE: drop each entry with probability 1 − density; survivors × 1/density (rescale keeps
     the expectation; "l1": × |τ|₁ / |kept|₁, mergekit; "none" or False: not rescaled). The mask
     is drawn on the CPU from `generator`, so it does not depend on the device. density 1 returns
-    τ unchanged and draws nothing."""
+    τ unchanged and draws nothing. `l1_scale`: the L1 factor of the whole tensor, when `tau` is
+    one row block of it (blocks.dare_l1)."""
     check_density(density)
     tau = tau.float()
     if density == 1.0:
         return tau
     keep = torch.rand(tau.shape, generator=generator) < density
-    return rescale_kept(tau, tau * keep.to(tau.device), density, rescale)
+    return rescale_kept(tau, tau * keep.to(tau.device), density, rescale, l1_scale)
 
 
-def rescale_kept(tau: Tensor, kept: Tensor, prob: Tensor | float, rescale: bool | str) -> Tensor:
+def rescale_kept(tau: Tensor, kept: Tensor, prob: Tensor | float, rescale: bool | str,
+                 l1_scale: Tensor | None = None) -> Tensor:
     """Rescale the survivors of a random drop: "expectation" (or True) divides each by its keep
     probability `prob`, so E[kept] = τ; "l1" matches the L1 norm of the whole tensor, left as is
-    when either norm is below 1e-7 (mergekit's rescaled_masked_tensor); "none" (or False) does
-    nothing."""
+    when either norm is below 1e-7 (mergekit's rescaled_masked_tensor; `l1_scale`, that factor
+    found over the whole tensor when `tau` is a block of it); "none" (or False) does nothing."""
     if rescale in (True, "expectation"):
         return kept / prob
     if rescale == "l1":
-        before, after = tau.abs().sum(), kept.abs().sum()
-        return kept if before < 1e-7 or after < 1e-7 else kept * (before / after)
+        return kept * (l1_scale if l1_scale is not None else l1_factor(tau.abs().sum(),
+                                                                        kept.abs().sum()))
     return kept
+
+
+def l1_factor(before: Tensor, after: Tensor) -> Tensor:
+    """|τ|₁ / |kept|₁, or 1 where either norm is below 1e-7 (mergekit leaves those as they are)."""
+    small = (before < 1e-7) | (after < 1e-7)
+    return torch.where(small, torch.ones_like(before), before / torch.where(small, 1.0, after))
 
 
 def generator_for(seed: int, name: str) -> torch.Generator:

@@ -135,13 +135,10 @@ class MethodSpec:
     def block_statistics(self) -> Callable | None:
         return None if self.blocks is None else _load(self.blocks)
 
-    def runs_in_blocks(self, params: dict) -> bool:
-        """Whether a large tensor merges in row blocks with these parameters (what dispatch
-        does, known before any data is read: the memory estimate's question). mergekit's L1
-        rescale needs the whole tensor's norms after the drop (blocks.unless_l1)."""
-        if self.blocks is None:
-            return False
-        return not (self.blocks.endswith(":unless_l1") and params.get("rescale") == "l1")
+    @property
+    def runs_in_blocks(self) -> bool:
+        """Whether a large tensor merges in row blocks (the memory estimate's question)."""
+        return self.blocks is not None
 
 
 def _load(target: str | None) -> Callable:
@@ -225,11 +222,11 @@ METHOD_SPECS = (
     _spec("ties", "trim, elect sign, disjoint mean", "Yadav et al. 2023", "required",
           (DENSITY, LAMBDA, ROUNDING, *CONSENSUS_PARAMS), "methods:ties", "trim_thresholds"),
     _spec("dare_linear", "random drop and rescale, then task arithmetic", "Yu et al. 2024",
-          "required", (DENSITY, LAMBDA, NORMALIZE, RESCALE), "methods:dare_linear", "unless_l1",
+          "required", (DENSITY, LAMBDA, NORMALIZE, RESCALE), "methods:dare_linear", "dare_l1",
           random=True, signed_weights=True),
     _spec("dare_ties", "random drop and rescale, then TIES's election and disjoint mean",
           "Yu et al. 2024", "required", (DENSITY, LAMBDA, RESCALE, *CONSENSUS_PARAMS),
-          "methods:dare_ties", "unless_l1", random=True),
+          "methods:dare_ties", "dare_l1", random=True),
     _spec("breadcrumbs", "drop the largest gamma and the smallest entries, then task arithmetic",
           "Davari & Belilovsky 2024", "required",
           (replace(DENSITY, default=0.9), GAMMA, LAMBDA, NORMALIZE, ROUNDING),
@@ -240,10 +237,10 @@ METHOD_SPECS = (
           "sparse:breadcrumbs_ties", "outlier_thresholds"),
     _spec("della", "magnitude-ranked random drop (MagPrune), then TIES's election and mean",
           "Deep et al. 2024", "required", (DENSITY, EPSILON, LAMBDA, RESCALE, *CONSENSUS_PARAMS),
-          "sparse:della", "unless_l1", random=True, constraint=_della_fits),
+          "sparse:della", "della_l1", random=True, constraint=_della_fits),
     _spec("della_linear", "magnitude-ranked random drop (MagPrune), then task arithmetic",
           "Deep et al. 2024", "required", (DENSITY, EPSILON, LAMBDA, NORMALIZE, RESCALE),
-          "sparse:della_linear", "unless_l1", random=True, constraint=_della_fits,
+          "sparse:della_linear", "della_l1", random=True, constraint=_della_fits,
           signed_weights=True),
     _spec("sce", "select by variance, weight by mean square, erase minority signs",
           "Wan et al. 2024, FuseChat", "required", (TOPK, LAMBDA, ZERO_VOTE), "sparse:sce",

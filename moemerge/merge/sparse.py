@@ -94,7 +94,7 @@ def magnitude_ranks(tau: Tensor) -> Tensor:
 
 
 def magprune(tau: Tensor, density: float, epsilon: float, generator: torch.Generator,
-             rescale: str = "expectation") -> Tensor:
+             rescale: str = "expectation", l1_scale: Tensor | None = None) -> Tensor:
     """DELLA's MagPrune: keep each entry with probability p = density − ε + 2ε · rank (rank in
     [0, 1] by magnitude within its row), so larger entries survive more often; survivors × 1/p
     ("expectation", the paper) or L1-matched ("l1", mergekit). Mask drawn on the CPU."""
@@ -107,24 +107,27 @@ def magprune(tau: Tensor, density: float, epsilon: float, generator: torch.Gener
                          f" epsilon {epsilon:g}")
     probs = density - epsilon + 2 * epsilon * magnitude_ranks(tau.cpu())
     keep = torch.rand(tau.shape, generator=generator) < probs
-    return rescale_kept(tau, tau * keep.to(tau.device), probs.to(tau.device), rescale)
+    return rescale_kept(tau, tau * keep.to(tau.device), probs.to(tau.device), rescale, l1_scale)
 
 
 def _magprune_all(base, tensors, density: PerModel, epsilon: PerModel, generator,
-                  rescale) -> Tensor:
+                  rescale, l1_scale: Tensor | None = None) -> Tensor:
     """[N, *shape] MagPruned task vectors, each at its model's density and epsilon."""
     generator = generator if generator is not None else torch.Generator().manual_seed(0)
     n = len(tensors)
-    return torch.stack([magprune(t, d, e, generator, rescale) for t, d, e in zip(
-        task_vectors(base, tensors), per_model(density, n), per_model(epsilon, n), strict=True)])
+    scales = [None] * n if l1_scale is None else list(l1_scale)
+    return torch.stack([magprune(t, d, e, generator, rescale, s) for t, d, e, s in zip(
+        task_vectors(base, tensors), per_model(density, n), per_model(epsilon, n), scales,
+        strict=True)])
 
 
 def della(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
           density: PerModel = 0.7, epsilon: PerModel = 0.15, lam: float = 1.0,
           generator: torch.Generator | None = None, rescale: str = "expectation",
-          normalize: bool = True, consensus: str = "sum", zero_vote: str = "none") -> Tensor:
+          normalize: bool = True, consensus: str = "sum", zero_vote: str = "none",
+          l1_scale: Tensor | None = None) -> Tensor:
     """θ_base + λ · DisjointMean(MagPrune(τ), Elect(w · MagPrune(τ)), w)."""
-    taus = _magprune_all(base, tensors, density, epsilon, generator, rescale)
+    taus = _magprune_all(base, tensors, density, epsilon, generator, rescale, l1_scale)
     return consensus_merge(base, taus, weights_of(weights, len(tensors), False), lam,
                            normalize=normalize, consensus=consensus, zero_vote=zero_vote)
 
@@ -132,9 +135,9 @@ def della(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
 def della_linear(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
                  density: PerModel = 0.7, epsilon: PerModel = 0.15, lam: float = 1.0,
                  normalize: bool = True, generator: torch.Generator | None = None,
-                 rescale: str = "expectation") -> Tensor:
+                 rescale: str = "expectation", l1_scale: Tensor | None = None) -> Tensor:
     """θ_base + λ Σ w̃_i MagPrune(τ_i)."""
-    taus = _magprune_all(base, tensors, density, epsilon, generator, rescale)
+    taus = _magprune_all(base, tensors, density, epsilon, generator, rescale, l1_scale)
     return _linear(base, taus, weights_of(weights, len(tensors), normalize), lam)
 
 

@@ -59,7 +59,6 @@ DETERMINISTIC = [
     ("ties", {"density": 0.5, "trim_rounding": "floor", "consensus": "count",
               "zero_vote": "positive", "normalize": False}),
     ("breadcrumbs", {"density": 0.8, "gamma": 0.05}), ("breadcrumbs_ties", {"density": 0.6}),
-    ("dare_linear", {"density": 0.5, "rescale": "l1"}),  # L1 rescale: whole tensor
     ("passthrough", {}), ("nearswap", {"swap_distance": 0.02}),
     ("ram", {"nonzero_threshold": 0.03}),
 ]
@@ -109,3 +108,36 @@ def test_only_methods_that_take_the_base_as_an_argument_declare_blocks():
     """Row blocks slice the positional base; a method taking it as a keyword would get the
     whole tensor in every block."""
     assert all(spec.base != "optional" for spec in METHOD_SPECS if spec.blocks)
+
+
+@pytest.mark.parametrize("method", ["dare_linear", "dare_ties", "della", "della_linear"])
+def test_l1_rescale_in_blocks_scales_by_the_whole_tensors_norms(method):
+    """mergekit's L1 rescale in row blocks: masks drawn block after block from the one
+    generator (as every random method in blocks), each model's survivors scaled by
+    |τ|₁ / |kept|₁ of the whole tensor. A reference drawing the same masks, then rescaling
+    whole, gives the same values; scaling each block by its own norms would not."""
+    from moemerge.merge.primitives import task_vectors
+    from moemerge.merge.sparse import magprune
+
+    base, tensors = _models()
+    params = {"density": 0.5, "rescale": "l1"} | ({"epsilon": 0.1} if "della" in method else {})
+    out = merge(method, base=base, tensors=tensors, block=BLOCK,
+                generator=generator_for(3, "t"), **params)
+    gen = generator_for(3, "t")
+    taus, kept = task_vectors(base, tensors), torch.zeros(3, ROWS, COLS)
+    for b in row_blocks((ROWS, COLS), BLOCK):
+        for i, tau in enumerate(taus[:, b]):
+            kept[i, b] = (magprune(tau, 0.5, 0.1, gen, "none") if "della" in method
+                          else dare_drop(tau, 0.5, gen, "none"))
+    scale = taus.abs().sum((1, 2)) / kept.abs().sum((1, 2))
+    rescaled = kept * scale[:, None, None]
+    ones = torch.ones(3)
+    if method.endswith("linear"):  # normalize: weights 1/3
+        expected = base.float() + rescaled.sum(0) / 3
+    else:
+        from moemerge.merge.primitives import disjoint_mean, elect_sign
+        expected = base.float() + disjoint_mean(rescaled, elect_sign(rescaled, ones), ones)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    blockwise = merge(method, base=base, tensors=tensors, block=10**9,
+                      generator=generator_for(3, "t"), **params)
+    assert not torch.allclose(out, blockwise, atol=1e-4)  # whole draws differ: the test sees it
