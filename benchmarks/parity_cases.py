@@ -100,7 +100,7 @@ class SlerpCase(Case):
                               sort_keys=False)
 
 
-MK_TIES = {"trim_rounding": "floor", "zero_vote": "positive"}
+MK_TIES = {"trim_rounding": "sort", "zero_vote": "positive"}
 CASES = [
     Case("linear", "linear", {"method": "average"}, base=False),
     Case("task_arithmetic", "task_arithmetic", {"method": "task_arithmetic", "lambda": 0.7},
@@ -111,7 +111,7 @@ CASES = [
          {"normalize": False}, {"density": 0.55}, conventions={**MK_TIES, "normalize": False}),
     Case("breadcrumbs", "breadcrumbs", {"method": "breadcrumbs", "density": 0.8, "gamma": 0.05},
          mk_model_params={"density": 0.8, "gamma": 0.05},
-         conventions={"trim_rounding": "floor", "normalize": False}),
+         conventions={"trim_rounding": "sort", "normalize": False}),
     Case("breadcrumbs_ties", "breadcrumbs_ties",
          {"method": "breadcrumbs_ties", "density": 0.8, "gamma": 0.05},
          mk_model_params={"density": 0.8, "gamma": 0.05},

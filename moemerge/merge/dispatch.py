@@ -94,7 +94,7 @@ def merge(method: str, *, base: Tensor | None, tensors: Sequence[Tensor], weight
         return tensors[0]
     rows = blocks.row_blocks(tensors[0].shape, block or blocks.BLOCK_ELEMENTS)
     statistics = spec.block_statistics
-    extra = None if len(rows) == 1 or statistics is None else statistics(
+    extra = None if len(rows) == 1 or not spec.runs_in_blocks(kwargs) else statistics(
         base if uses_base else None, tensors, rows, **kwargs,
         **({"generator": generator} if spec.random else {}))  # a drop replayed draws the same
     if spec.weights:

@@ -70,10 +70,26 @@ def trim_to_density(taus: Tensor, density: PerModel, rounding: str = "ceil",
     if all(d == 1.0 for d in densities):
         return taus
     flat = taus.reshape(taus.shape[0], -1).abs()  # [N, numel]
+    if rounding == "sort":
+        keep = torch.stack([sorted_top(row, d) for row, d in zip(flat, densities, strict=True)])
+        return (taus.reshape(flat.shape) * keep).reshape(taus.shape)
     if thresholds is None:
         thresholds = torch.stack([trim_threshold(row, d, rounding)
                                   for row, d in zip(flat, densities, strict=True)])
     return (taus.reshape(flat.shape) * (flat >= thresholds[:, None])).reshape(taus.shape)
+
+
+def sorted_top(magnitudes: Tensor, density: float) -> Tensor:
+    """[numel] bool: the first max(1, ⌊d·n⌋) entries of torch's descending argsort of one flat
+    task vector's magnitudes (float32), every entry at density 1: exactly the entries mergekit's
+    `magnitude` sparsifier keeps, ties at the cut-off included (argsort is not stable; its order
+    among equal values is the same for the same values in the same torch)."""
+    keep = torch.zeros(magnitudes.shape, dtype=torch.bool, device=magnitudes.device)
+    if density == 1.0:
+        return keep.fill_(True)
+    keep[torch.argsort(magnitudes.float(), descending=True)[:keep_count(
+        magnitudes.numel(), density, "floor")]] = True
+    return keep
 
 
 def trim_threshold(magnitudes: Tensor, density: float, rounding: str = "ceil") -> Tensor:

@@ -91,8 +91,10 @@ class MethodSpec:
     moe: str | None = None  # why it cannot merge the non-FFN tensors of an MoE, if it cannot
     constraint: Callable[[dict], str | None] | None = None  # across parameters, on scalars
     # "module:function" returning the whole-tensor statistics that let the method run in row
-    # blocks (merge/blocks.py), or None for parameters that need the whole tensor; unset: never
+    # blocks (merge/blocks.py); unset: never
     blocks: str | None = None
+    # (parameter, value) pairs that need the whole tensor at once even so
+    whole_if: tuple[tuple[str, object], ...] = ()
 
     def problem(self, values: dict[str, object]) -> str | None:
         """Why these parameter values (defaults filled in) do not go together, or None."""
@@ -135,10 +137,11 @@ class MethodSpec:
     def block_statistics(self) -> Callable | None:
         return None if self.blocks is None else _load(self.blocks)
 
-    @property
-    def runs_in_blocks(self) -> bool:
-        """Whether a large tensor merges in row blocks (the memory estimate's question)."""
-        return self.blocks is not None
+    def runs_in_blocks(self, params: dict) -> bool:
+        """Whether a large tensor merges in row blocks with these parameters (what dispatch
+        does, known before any data is read: the memory estimate's question too)."""
+        return self.blocks is not None and not any(
+            params.get(name) == value for name, value in self.whole_if)
 
 
 def _load(target: str | None) -> Callable:
@@ -154,8 +157,11 @@ DENSITY = Param("density", float, 0.7, "fraction of each task vector's entries k
                 low=0.0, high=1.0, tunable=True, per_model=True)
 NORMALIZE = Param("normalize", bool, True, "divide the weights by their sum (linear methods) or "
                   "by the agreeing models' weights (sign-consensus methods)")
-ROUNDING = Param("trim_rounding", ("ceil", "floor"), "ceil", "entries kept: ceil(d·n) (ties at "
-                 "the cut-off kept) or floor(d·n) (mergekit)")
+ROUNDING = Param("trim_rounding", ("ceil", "floor", "sort"), "ceil", "entries kept: ceil(d·n) "
+                 "(ties at the cut-off kept), floor(d·n), or sort: exactly floor(d·n), ties at "
+                 "the cut-off broken as torch's sort of the whole tensor orders them (mergekit's "
+                 "choice, entry for entry; whole tensors, not row blocks)")
+SORTED = (("trim_rounding", "sort"),)  # mergekit's cut by a sort of the whole tensor
 ZERO_VOTE = Param("zero_vote", ("none", "positive"), "none", "sign elected where the vote sums "
                   "to exactly 0: none (entry stays at the base) or positive (mergekit)")
 CONSENSUS = Param("consensus", ("sum", "count"), "sum", "sign election by mass (sum of the "
@@ -220,7 +226,8 @@ METHOD_SPECS = (
     _spec("task_arithmetic", "base + λ Σ w τ", "Ilharco et al. 2023", "required",
           (LAMBDA, NORMALIZE), "methods:task_arithmetic", "elementwise", signed_weights=True),
     _spec("ties", "trim, elect sign, disjoint mean", "Yadav et al. 2023", "required",
-          (DENSITY, LAMBDA, ROUNDING, *CONSENSUS_PARAMS), "methods:ties", "trim_thresholds"),
+          (DENSITY, LAMBDA, ROUNDING, *CONSENSUS_PARAMS), "methods:ties", "trim_thresholds",
+          whole_if=SORTED),
     _spec("dare_linear", "random drop and rescale, then task arithmetic", "Yu et al. 2024",
           "required", (DENSITY, LAMBDA, NORMALIZE, RESCALE), "methods:dare_linear", "dare_l1",
           random=True, signed_weights=True),
@@ -230,11 +237,11 @@ METHOD_SPECS = (
     _spec("breadcrumbs", "drop the largest gamma and the smallest entries, then task arithmetic",
           "Davari & Belilovsky 2024", "required",
           (replace(DENSITY, default=0.9), GAMMA, LAMBDA, NORMALIZE, ROUNDING),
-          "sparse:breadcrumbs", "outlier_thresholds", signed_weights=True),
+          "sparse:breadcrumbs", "outlier_thresholds", signed_weights=True, whole_if=SORTED),
     _spec("breadcrumbs_ties", "breadcrumbs' drop, then TIES's election and disjoint mean",
           "Davari & Belilovsky 2024", "required",
           (replace(DENSITY, default=0.9), GAMMA, LAMBDA, ROUNDING, *CONSENSUS_PARAMS),
-          "sparse:breadcrumbs_ties", "outlier_thresholds"),
+          "sparse:breadcrumbs_ties", "outlier_thresholds", whole_if=SORTED),
     _spec("della", "magnitude-ranked random drop (MagPrune), then TIES's election and mean",
           "Deep et al. 2024", "required", (DENSITY, EPSILON, LAMBDA, RESCALE, *CONSENSUS_PARAMS),
           "sparse:della", "della_l1", random=True, constraint=_della_fits),

@@ -40,12 +40,30 @@ def trim_outliers(taus: Tensor, density: PerModel, gamma: PerModel, rounding: st
     flat = taus.reshape(taus.shape[0], -1).abs()  # [N, n]
     if all(d == 1.0 for d in densities) or flat.shape[1] == 0:
         return taus
+    if rounding == "sort":
+        keep = torch.stack([_sorted_band(row, d, g)
+                            for row, d, g in zip(flat, densities, gammas, strict=True)])
+        return (taus.reshape(flat.shape) * keep).reshape(taus.shape)
     if bands is None:
         bands = torch.stack([_band(row, d, g, rounding)
                              for row, d, g in zip(flat, densities, gammas, strict=True)])
     bands = bands.to(flat.device)  # the blocked path's bands come from the CPU
     low, high = bands[:, :1], bands[:, 1:]
     return (taus.reshape(flat.shape) * ((flat >= low) & (flat <= high))).reshape(taus.shape)
+
+
+def _sorted_band(magnitudes: Tensor, density: float, gamma: float) -> Tensor:
+    """[n] bool: mergekit's `magnitude_outliers` keep mask of one flat task vector: the
+    ⌊d·n⌋ entries after the n − ⌊d·n⌋ − ⌊γ·n⌋ smallest, in torch's ascending sort order (ties
+    broken as that sort orders them); every entry at density 1."""
+    keep = torch.zeros(magnitudes.shape, dtype=torch.bool, device=magnitudes.device)
+    if density == 1.0:
+        return keep.fill_(True)
+    n = magnitudes.numel()
+    kept, top = int(density * n), int(gamma * n)
+    bottom = max(0, n - kept - top)
+    keep[torch.sort(magnitudes.float(), descending=False).indices[bottom:bottom + kept]] = True
+    return keep
 
 
 def _band(magnitudes: Tensor, density: float, gamma: float, rounding: str) -> Tensor:

@@ -35,7 +35,7 @@ def working_set(job: Job) -> int:
         return 0
     n = len(job.inputs)
     numel = job.nbytes // job.dtype.itemsize
-    if get(job.merge.method).runs_in_blocks:
+    if get(job.merge.method).runs_in_blocks(job.merge.params):
         return min(numel, BLOCK_ELEMENTS) * BLOCK_WORKING * n
     a, b = WHOLE_WORKING
     return numel * (a + b * max(0, n - 1))

@@ -145,7 +145,7 @@ def as_mergekit(method, **params):
     return check
 
 
-MK_TIES = {"trim_rounding": "floor", "zero_vote": "positive"}
+MK_TIES = {"trim_rounding": "sort", "zero_vote": "positive"}
 # mergekit's documented config shapes (docs/mergekit.md), on the tiny models
 SHAPES = {
     "linear": ("""

@@ -141,3 +141,14 @@ def test_l1_rescale_in_blocks_scales_by_the_whole_tensors_norms(method):
     blockwise = merge(method, base=base, tensors=tensors, block=10**9,
                       generator=generator_for(3, "t"), **params)
     assert not torch.allclose(out, blockwise, atol=1e-4)  # whole draws differ: the test sees it
+
+
+@pytest.mark.parametrize("method", ["ties", "breadcrumbs", "breadcrumbs_ties"])
+def test_sorted_cut_merges_whole_tensors(method):
+    """`trim_rounding: sort` needs one sort of the whole tensor: dispatch merges it in one
+    piece whatever the block size, and the memory estimate is told so."""
+    base, tensors = _models()
+    params = {"density": 0.5, "trim_rounding": "sort"}
+    assert not get(method).runs_in_blocks(params) and get(method).runs_in_blocks({})
+    whole = merge(method, base=base, tensors=tensors, block=10**9, **params)
+    assert torch.equal(merge(method, base=base, tensors=tensors, block=BLOCK, **params), whole)

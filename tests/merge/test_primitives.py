@@ -103,3 +103,41 @@ def test_generator_seed_is_pinned():
     assert generator_for(0, "x").initial_seed() != generator_for(0, "y").initial_seed()
     assert generator_for(0, "x").initial_seed() != generator_for(1, "x").initial_seed()
     assert generator_for(0, "x").device == torch.device("cpu")
+
+
+def _mergekit_magnitude_mask(tau, density):
+    """mergekit 0.1.5's `magnitude` sparsifier, written plainly: the first max(1, ⌊d·n⌋)
+    entries of a descending argsort of the flat float32 magnitudes."""
+    w = tau.abs().reshape(-1).float()
+    mask = torch.zeros(w.numel(), dtype=torch.bool)
+    mask[torch.argsort(w, descending=True)[:max(1, int(density * w.numel()))]] = True
+    return mask.reshape(tau.shape)
+
+
+def _mergekit_outliers_mask(tau, density, gamma):
+    """mergekit 0.1.5's `magnitude_outliers`, written plainly."""
+    w = tau.abs().reshape(-1).float()
+    n = w.numel()
+    kept, bottom = int(density * n), max(0, n - int(density * n) - int(gamma * n))
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[torch.sort(w, descending=False).indices[bottom:bottom + kept]] = True
+    return mask.reshape(tau.shape)
+
+
+@pytest.mark.parametrize("density", [0.3, 0.5, 0.9])
+def test_sorted_cut_keeps_exactly_mergekits_entries_ties_included(density):
+    """bf16-valued task vectors hold many equal magnitudes: at the cut-off, `trim_rounding:
+    sort` keeps exactly the entries mergekit keeps; `floor` keeps every tied one (more, and
+    others). Checked against mergekit 0.1.5 itself too (issue 30 note): 0 entries apart."""
+    from moemerge.merge.sparse import trim_outliers
+
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(300, 97, generator=gen).bfloat16()
+    taus = torch.stack([(base.float() + 0.05 * torch.randn(300, 97, generator=gen))
+                        .bfloat16().float() - base.float() for _ in range(3)])
+    want = torch.stack([_mergekit_magnitude_mask(t, density) for t in taus])
+    assert torch.equal(trim_to_density(taus, density, "sort") != 0, want & (taus != 0))
+    assert not torch.equal(trim_to_density(taus, density, "floor") != 0, want & (taus != 0))
+    want = torch.stack([_mergekit_outliers_mask(t, density, 0.05) for t in taus])
+    assert torch.equal(trim_outliers(taus, density, 0.05, "sort") != 0, want & (taus != 0))
+    assert not torch.equal(trim_outliers(taus, density, 0.05, "floor") != 0, want & (taus != 0))

@@ -179,9 +179,9 @@ def test_dare_ties_takes_mergekits_conventions_and_notes_what_it_drops():
     assert any("float32" in n for n in result.notes)  # bfloat16 arithmetic in mergekit
 
 
-def test_ties_keeps_floor_rounding_and_the_given_normalize():
+def test_ties_takes_mergekits_sorted_cut_and_the_given_normalize():
     merge = imported(TIES).recipe["merge"]
-    assert merge["trim_rounding"] == "floor" and merge["normalize"] is True
+    assert merge["trim_rounding"] == "sort" and merge["normalize"] is True
 
 
 def test_moe_maps_gate_mode_and_copies_the_base():
@@ -264,7 +264,7 @@ def test_mergekits_ties_example_imports_with_its_gradients_and_filters():
     result = imported(text)
     r = result.recipe
     assert r["merge"] == {"method": "ties", "normalize": True, "density": 1.0,
-                          "trim_rounding": "floor", "zero_vote": "positive"}
+                          "trim_rounding": "sort", "zero_vote": "positive"}
     assert r["models"] == [
         {"model": "psmathur/orca_mini_v3_13b", "weight": 1.0, "density": [1.0, 0.7, 0.1]},
         {"model": "garage-bAInd/Platypus2-13B", "weight": [0.0, 0.3, 0.7, 1.0],
@@ -337,3 +337,18 @@ def test_unsupported_features_are_clear_errors(text, message):
     with pytest.raises(RecipeError, match="config.yml") as info:
         imported(text)
     assert message in str(info.value), str(info.value)
+
+
+def test_a_mergekit_multi_config_is_named_and_explained(tmp_path):
+    """Several YAML documents (mergekit-multi): refused with what it is and what to do, not
+    the YAML parser's "expected a single document in the stream"."""
+    from moemerge.recipe.load import safe_yaml
+
+    text = LINEAR + "---\nname: second\n" + LINEAR
+    with pytest.raises(RecipeError) as info:
+        safe_yaml(text, "multi.yml")
+    message = str(info.value)
+    assert "several YAML documents" in message and "mergekit-multi" in message
+    assert "single document in the stream" not in message
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        safe_yaml("a: [1, 2\n", "broken.yml")

@@ -59,7 +59,7 @@ def conventions(method: str, given: dict) -> dict:
         if method in MERGEKIT_NORMALIZE:
             out["normalize"] = MERGEKIT_NORMALIZE[method]
     if spec.param("trim_rounding"):
-        out["trim_rounding"] = "floor"
+        out["trim_rounding"] = "sort"  # exactly mergekit's entries, ties at the cut-off too
     if spec.param("zero_vote"):
         out["zero_vote"] = "positive"
     if spec.param("rescale"):
