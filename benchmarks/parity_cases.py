@@ -223,12 +223,13 @@ def markdown(meta: dict, exact: list[dict], randoms: list[dict]) -> str:
 
 NOTES = """
 The conventions that differ, and the options that switch them, are listed in
-[docs/mergekit.md](../../docs/mergekit.md#conventions). What remains is float rounding (≤ 2.4e-7)
-and one convention with no switch: entries *tied* at a cut-off. moemerge finds a cut-off with
-`kthvalue` (linear time) and keeps every entry equal to it; mergekit sorts and keeps exactly k,
-one of the tied entries. The breadcrumbs rows differ in one entry of `lm_head.weight`, whose task
-vector (first model) has two equal magnitudes at the lower cut-off (checked): moemerge keeps
-both. Random N(0, 0.01²) float32 noise has such ties rarely; quantised weights have many.
+[docs/mergekit.md](../../docs/mergekit.md#conventions). What remains is float rounding (≤ 2.4e-7);
+entries *tied* at a cut-off are switched too: by default moemerge finds a cut-off with
+`kthvalue` (linear time, in row blocks) and keeps every entry equal to it, where mergekit sorts
+the whole tensor and keeps exactly k; `trim_rounding: sort` (what import-mergekit writes, and
+these rows) makes the same sort. Before it, the breadcrumbs rows differed in one entry of
+`lm_head.weight`, whose task vector had two equal magnitudes at the lower cut-off (1.89e-3);
+random N(0, 0.01²) float32 noise has such ties rarely, bf16-valued weights have many.
 Random methods: the statistics agree to the sampling noise, and the cosine between the two
 tools' merges equals that between two moemerge seeds: the tools differ only by the draw.
 Gradients: the `t: [0, 1]` row covers the tensors outside the layers, which mergekit 0.1 takes
