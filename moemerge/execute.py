@@ -119,7 +119,7 @@ def intra_op_threads(workers: int) -> int:
     """Torch threads per merge worker: the cores this process may use, less one for the reader
     and the writer, shared by the workers. Each pool sized alone (torch's default: every core)
     makes them fight: on 2 cores a 1B-shape average build switched context 97k times with 2
-    torch threads and 2.5k with 1 (benchmarks/README.md)."""
+    torch threads and 2.5k with 1 (benchmarks/results/scale.md)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, ((cores or 1) - 1) // max(1, workers))
 
