@@ -90,17 +90,15 @@ def safe_yaml(text: str, source: str) -> object:
                               "refused")
         _check_numbers(node, source)
         return loader.construct_document(node)
-    except yaml.composer.ComposerError as exc:
-        if "expected a single document" not in str(exc):
-            raise RecipeError(f"{source}: not valid YAML: {str(exc)[:500]}") from None
-        raise RecipeError(
-            f"{source} holds several YAML documents (separated by '---' at line "
-            f"{exc.problem_mark.line + 1 if exc.problem_mark else '?'}); a recipe or a mergekit "
-            "config is one. A mergekit-multi config (several merges, later ones naming earlier "
-            "outputs) is not read in one run: put each document in a file of its own, "
-            "import and build them in order, and name each earlier output by its directory "
-            "in the later ones.") from None
     except yaml.YAMLError as exc:
+        if isinstance(exc, yaml.composer.ComposerError) and "single document" in str(exc):
+            line = exc.problem_mark.line + 1 if exc.problem_mark else "?"
+            raise RecipeError(
+                f"{source} holds several YAML documents (separated by '---' at line {line}); "
+                "a recipe or a mergekit config is one. A mergekit-multi config (several "
+                "merges, later ones naming earlier outputs) is not read in one run: put each "
+                "document in a file of its own, import and build them in order, and name each "
+                "earlier output by its directory in the later ones.") from None
         raise RecipeError(f"{source}: not valid YAML: {str(exc)[:500]}") from None
     except RecursionError:
         raise RecipeError(f"{source}: the YAML is nested too deeply") from None
