@@ -16,14 +16,17 @@ from contextlib import contextmanager
 
 import torch
 
-from moemerge.errors import RecipeError
-from moemerge.io.reader import TensorMeta
+from moemerge.errors import CheckpointError, RecipeError
+from moemerge.io.reader import TensorMeta, count_non_finite_stored
+from moemerge.io.writer import ShardedWriter, finite, refuse_non_finite
 from moemerge.merge.dispatch import merge
 from moemerge.merge.least_squares import padded_average_fit
-from moemerge.merge.primitives import generator_for, zero_pad
+from moemerge.merge.primitives import count_non_finite, generator_for, zero_pad
 from moemerge.plan.jobs import Job, Plan, Source
+from moemerge.plan.sources import SourceModel
 
 Load = Callable[[Source], torch.Tensor]
+Read = Callable[[int, str], torch.Tensor]  # (model index, tensor name) -> the stored tensor
 # where a source's bytes lie when they are the output unchanged (no cast, no slice), else None
 Stored = Callable[[Source], TensorMeta | None]
 MakeRouter = Callable[[Job, Load], torch.Tensor]
@@ -106,13 +109,79 @@ def _serialised(function: MakeRouter) -> MakeRouter:
     return call
 
 
+def take(source: Source, read: Read) -> torch.Tensor:
+    """A source as its job uses it: the stored tensor, its rows, then its change."""
+    def stored() -> torch.Tensor:
+        tensor = read(source.model, source.tensor)
+        return tensor if source.rows is None else tensor[slice(*source.rows)]
+
+    return stored() if source.change is None else source.change.apply(stored)
+
+
 def byte_copy(job: Job, stored: Stored | None) -> TensorMeta | None:
     """The stored tensor a copy job passes through unchanged, if its bytes are the output's."""
-    if job.kind != "copy" or stored is None or job.sources[0].rows is not None:
+    if job.kind != "copy" or stored is None:
+        return None
+    source = job.sources[0]
+    if source.rows is not None or source.change is not None:
         return None
     meta = stored(job.sources[0])
     same = meta is not None and meta.dtype == job.dtype and meta.shape == tuple(job.shape)
     return meta if same else None
+
+
+class CheckedTensors:
+    """The build's tensors in and out of the loop. NaN / Inf in an input tensor is a warning
+    naming the tensor and the model (once per tensor), an error with `strict`; a non-finite
+    output tensor is refused unless `allow_non_finite`."""
+
+    WHENCE = ("from non-finite inputs or merge settings; pass --allow-non-finite to write it "
+              "anyway")
+
+    def __init__(self, models: list[SourceModel], *, strict: bool, allow_non_finite: bool,
+                 warn: Callable[[str], None]):
+        self.models, self.strict, self.allow_non_finite = models, strict, allow_non_finite
+        self.warn = warn
+        self._checked: set[tuple[int, str]] = set()
+
+    def read(self, model: int, tensor: str) -> torch.Tensor:
+        stored = self.models[model].reader.read(tensor)
+        if (model, tensor) not in self._checked:
+            self._input_count(model, tensor, count_non_finite(stored))
+        return stored
+
+    def load(self, source: Source) -> torch.Tensor:
+        return take(source, self.read)
+
+    def stored(self, source: Source) -> TensorMeta | None:
+        return self.models[source.model].reader.stored(source.tensor)
+
+    def check_output(self, name: str, tensor: torch.Tensor) -> None:
+        if not self.allow_non_finite:
+            finite(name, tensor, self.WHENCE)
+
+    def put(self, writer: ShardedWriter, job: Job, tensor: torch.Tensor | TensorMeta) -> None:
+        if isinstance(tensor, torch.Tensor):
+            self.check_output(job.output, tensor)
+            writer.write(job.output, tensor)
+            return
+        # copied unchanged by the kernel: its values checked in place, once, as both the input
+        # it is and the output it becomes
+        bad = count_non_finite_stored(tensor)
+        source = job.sources[0]
+        self._input_count(source.model, source.tensor, bad)
+        if not self.allow_non_finite:
+            refuse_non_finite(job.output, bad, self.WHENCE)
+        writer.copy(job.output, tensor)
+
+    def _input_count(self, model: int, tensor: str, bad: int) -> None:
+        self._checked.add((model, tensor))
+        if bad:
+            message = (f"tensor {tensor!r} of {self.models[model].where()} holds {bad} NaN/Inf "
+                       "values")
+            if self.strict:
+                raise CheckpointError(f"{message} (--strict)")
+            self.warn(message)
 
 
 def intra_op_threads(workers: int) -> int:

@@ -1,6 +1,6 @@
 """`moemerge extend`: new experts joined to an MoE that `moemerge build` made, without
 rebuilding it (docs/extend.md): a calibrated token-routed MoE (below), or a seq_routed /
-merged_experts one (assemble/extend/seq_routed.py, merged.py: the new stack or FFN weights join,
+merged_experts one (finish/extend/seq_routed.py, merged.py: the new stack or FFN weights join,
 each router is a rebuild's: its random draw, or calibrated again on all the text).
 
 The MoE's tensors are copied with the new experts' FFNs added in every layer. The routers are
@@ -10,10 +10,10 @@ deeper layers fitted on the old model's hidden states for the old text), or, wit
 `recalibrate`, calibrated again on all the text exactly as `build` does (a rebuild's routers).
 
 Where the recipe's merge of the shared (non-FFN) tensors reads every expert, they are merged
-again with the new experts by build's planner and executor (assemble/extend/remerge.py) unless
+again with the new experts by build's planner and executor (finish/extend/remerge.py) unless
 `keep_shared`; every hidden state then changes, so calibrated routers are calibrated again on
 all the text. Each new expert is checked against the recipe copy's base where it is at hand
-(assemble/extend/same_base.py). The output is written under the output rule (atomic, --force)
+(finish/extend/same_base.py). The output is written under the output rule (atomic, --force)
 with a recipe copy that rebuilds it from scratch.
 """
 
@@ -29,8 +29,10 @@ from types import SimpleNamespace
 import torch
 
 from moemerge.analysis.routing import expert_labels
-from moemerge.assemble.extend import merged, seq_routed
-from moemerge.assemble.extend.recipe import (
+from moemerge.errors import CheckpointError, RecipeError
+from moemerge.eval.perplexity import load_tokenizer
+from moemerge.finish.extend import merged, seq_routed
+from moemerge.finish.extend.recipe import (
     REBUILD,
     NewExpert,
     built_recipe,
@@ -40,24 +42,28 @@ from moemerge.assemble.extend.recipe import (
     new_experts,
     recipe_copy,
 )
-from moemerge.assemble.extend.remerge import Remerge, plan_remerge
-from moemerge.assemble.extend.same_base import check_same_base, local_base
-from moemerge.assemble.extend.tensors import check_expert, extended_tensors
-from moemerge.assemble.extract.token_routed import token_layout
-from moemerge.assemble.gguf import too_many_experts
-from moemerge.assemble.remote_code import copy_modeling_code
-from moemerge.assemble.verify import FULL_LOAD_LIMIT, check_loads
-from moemerge.errors import CheckpointError, RecipeError
-from moemerge.eval.perplexity import load_tokenizer
+from moemerge.finish.extend.remerge import Remerge, plan_remerge
+from moemerge.finish.extend.same_base import check_same_base, local_base
+from moemerge.finish.extend.tensors import check_expert, extended_tensors
+from moemerge.finish.extract.token_routed import token_layout
+from moemerge.finish.gguf import too_many_experts
+from moemerge.finish.remote_code import copy_modeling_code
+from moemerge.finish.verify import FULL_LOAD_LIMIT, check_loads
 from moemerge.io.atomic import RECIPE_COPY, SIDE_FILES, atomic_output_dir, copy_side_files
 from moemerge.io.paths import check_output_apart
 from moemerge.io.reader import CheckpointReader, read_config
 from moemerge.io.writer import ShardedWriter, finite, overwrite_tensors, parse_size
 from moemerge.modeling import is_merged_experts, is_sequence_routed
-from moemerge.plan.recipe_plan import labelled_refs
 from moemerge.plan.sources import open_sources, resolve_ref
+from moemerge.recipe.kinds import labelled_refs
 from moemerge.recipe.models import ModelRef
 from moemerge.routing.calibrate import Calibration, calibrate_token_routers
+from moemerge.routing.calibration import (
+    calibrates,
+    calibration_set,
+    calibration_texts,
+    model_as_stored,
+)
 from moemerge.routing.refit import refit_token_routers
 from moemerge.routing.statistics import (
     STATS_FILE,
@@ -65,12 +71,6 @@ from moemerge.routing.statistics import (
     LayerStatistics,
     load_statistics,
     save_statistics,
-)
-from moemerge.train.calibration import (
-    calibrates,
-    calibration_set,
-    calibration_texts,
-    model_as_stored,
 )
 from moemerge.train.export import TRAINING_DIR
 
@@ -143,7 +143,7 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
 
 def _shared_inputs(data: dict, new: list[NewExpert], moe: Path, out: Path, remerging: bool,
                    stack: ExitStack) -> Remerge | None:
-    """With a re-merge, the recipe copy's models opened and planned (assemble/extend/remerge.py),
+    """With a re-merge, the recipe copy's models opened and planned (finish/extend/remerge.py),
     OUT checked apart from each of them (the output rule); else None."""
     if not remerging:
         return None
@@ -174,7 +174,7 @@ def _remerged(changing: list[str], remerge: Remerge | None) -> str:
 
 
 def _assembly(config: dict, moe: Path):
-    """The module that grows this kind: assemble/extend/seq_routed.py or merged.py."""
+    """The module that grows this kind: finish/extend/seq_routed.py or merged.py."""
     if is_merged_experts(config):
         return merged
     if is_sequence_routed(config):

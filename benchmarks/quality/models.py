@@ -196,8 +196,8 @@ def train_dense(ts, model: Path, steps: int, lr: float, seed: int, args):
 
     from moemerge.data import read_domains
     from moemerge.loading import quiet_transformers
+    from moemerge.token_blocks import make_blocks
     from moemerge.train import distributed, loop
-    from moemerge.train.data import make_blocks
 
     cfg = _config(ts, model, model.parent / "unused", ["all"], steps, lr, seed, args)
     with quiet_transformers():

@@ -18,6 +18,7 @@ import torch
 from moemerge.errors import RecipeError
 from moemerge.merge.primitives import keep_count
 from moemerge.plan.sources import open_sources
+from moemerge.recipe.kinds import kind_of
 from moemerge.recipe.load import load_recipe
 from moemerge.recipe.models import ModelRef
 
@@ -214,7 +215,7 @@ def recipe_models(path: Path) -> tuple[ModelRef, list[ModelRef]]:
             f"{path}: base_model: missing; inspect needs a base model to compute task vectors "
             "(expert − base)"
         )
-    return recipe.base_model, list(recipe.experts if recipe.kind == "moe" else recipe.inputs)
+    return recipe.base_model, list(getattr(recipe, kind_of(recipe).inputs))
 
 
 def _ref(model: Model) -> ModelRef:

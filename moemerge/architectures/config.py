@@ -74,7 +74,8 @@ def moe_config(
     config[layout.num_experts_key] = num_experts
     config[layout.expert_width_key] = source["intermediate_size"]
     if layout.shared_width_key is not None:
-        # Qwen2-MoE's mandatory shared expert: zeros of width 1, or a whole FFN (plan/shared.py)
+        # Qwen2-MoE's mandatory shared expert: zeros of width 1, or a whole FFN
+        # (plan/shared_expert.py)
         config[layout.shared_width_key] = shared_width
     config.update(layout.config)
     return config

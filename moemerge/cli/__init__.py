@@ -4,10 +4,12 @@ Exit codes scripts can rely on: 0 success, 1 runtime error (bad or missing check
 between models, failed output check), 2 recipe or usage error, 130 interrupted.
 """
 
+# registration order is the order of `moemerge --help`
+# isort: off
 from moemerge.cli import (  # noqa: F401
     build,
     demo,
-    export,
+    bake,
     extend,
     extract,
     finetune,
@@ -17,6 +19,7 @@ from moemerge.cli import (  # noqa: F401
     route,
     shrink,
 )
+# isort: on
 from moemerge.cli.app import app
 
 __all__ = ["app"]

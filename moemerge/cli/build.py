@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -10,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
+from moemerge.build_options import BuildOptions, TuneOptions, build_options, tune_options
 from moemerge.cli.app import app, err, out, reports_errors
 from moemerge.merge.registry import METHOD_SPECS
 
@@ -21,6 +21,20 @@ RecipeArg = Annotated[
 ]
 
 
+def Option(name: str, *decls: str, model=BuildOptions, **extra):  # noqa: N802 - reads as typer's
+    """The typer option of field `name` of BuildOptions (or TuneOptions), described by it."""
+    info = (model.model_fields if model is BuildOptions else model.__pydantic_fields__)[name]
+    return typer.Option(*decls, help=info.description + extra.pop("more", ""), **extra)
+
+
+D = {name: info.default for name, info in BuildOptions.model_fields.items()}  # the defaults
+T = {name: info.default for name, info in TuneOptions.__pydantic_fields__.items()}
+
+
+def _listed(values: tuple[float, ...]) -> str:
+    return ",".join(f"{v:g}" for v in values)
+
+
 @app.command()
 @reports_errors
 def build(
@@ -29,72 +43,34 @@ def build(
         Optional[Path],  # noqa: UP045 - typer needs Optional on 3.10
         typer.Argument(help="Output directory (created; written atomically).", show_default=False),
     ] = None,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Print every output tensor and how it is made; "
-                           "reads headers only, writes nothing.")
-    ] = False,
-    force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
-    allow_pickle: Annotated[
-        bool, typer.Option("--allow-pickle", help="Accept pickled .bin checkpoints (loaded with "
-                           "weights_only=True). Only for files you trust.")
-    ] = False,
-    verify: Annotated[
-        str, typer.Option(help="Check of the output: 'full' loads it in transformers, "
-                          "'structure' checks every tensor's name, shape and dtype; 'auto' does "
-                          "'full' up to 2 GiB.")
-    ] = "auto",
+    dry_run: Annotated[bool, Option("dry_run", "--dry-run")] = False,
+    force: Annotated[bool, Option("force", "--force")] = False,
+    allow_pickle: Annotated[bool, Option("allow_pickle", "--allow-pickle")] = False,
+    verify: Annotated[str, Option("verify")] = D["verify"],
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress: only warnings, "
                                         "errors and the result (progress goes to stderr, and "
                                         "only to a terminal).")] = False,
     tune_on: Annotated[
         Optional[Path],  # noqa: UP045
-        typer.Option("--tune-on", help="Held-out text (any --data source, docs/data.md): "
-                     "choose merge lambda and density per tensor role by its perplexity (a "
-                     "directory's domains weigh the same: the geometric mean of theirs), then "
-                     "build with them (docs/tuning.md). "
-                     f"Tunable methods: {', '.join(TUNABLE)}.", show_default=False),
+        Option("text", "--tune-on", model=TuneOptions, show_default=False,
+               more=f" Tunable methods: {', '.join(TUNABLE)}."),
     ] = None,
-    tune_lambdas: Annotated[
-        str, typer.Option(help="Lambdas tried per role, comma-separated.")
-    ] = "0.3,0.5,0.7,1",
-    tune_densities: Annotated[
-        str, typer.Option(help="Densities tried per role (methods with a density: "
-                          f"{', '.join(WITH_DENSITY)}), comma-separated.")
-    ] = "0.5,0.7,0.9",
-    tune_max_tokens: Annotated[
-        int, typer.Option(help="Tokens of the held-out text scored per candidate.")
-    ] = 8192,
-    tune_seq_len: Annotated[int, typer.Option(help="Window length when scoring.")] = 64,
-    strict: Annotated[
-        bool, typer.Option("--strict", help="NaN/Inf in an input tensor is an error, not a "
-                           "warning.")
-    ] = False,
-    workers: Annotated[
-        int, typer.Option(help="Tensors merged at once, each on its own thread (the output's "
-                          "bytes do not depend on it).")
-    ] = 1,
-    lookahead: Annotated[
-        int, typer.Option(help="Tensors read ahead of the one being written: more overlaps "
-                          "reading with merging, and holds more in memory (see --dry-run).")
-    ] = 3,
-    device: Annotated[
-        str, typer.Option(help="Where the merge arithmetic runs: cpu, or cuda (reading and "
-                          "writing stay on the host).")
-    ] = "cpu",
-    allow_non_finite: Annotated[
-        bool, typer.Option("--allow-non-finite", help="Write output tensors holding NaN/Inf "
-                           "(refused by default).")
-    ] = False,
+    tune_lambdas: Annotated[str, Option("lambdas", model=TuneOptions)] = _listed(T["lambdas"]),
+    tune_densities: Annotated[str, Option("densities", model=TuneOptions,
+                                          more=f" They are: {', '.join(WITH_DENSITY)}.")
+                              ] = _listed(T["densities"]),
+    tune_max_tokens: Annotated[int, Option("max_tokens", model=TuneOptions)] = T["max_tokens"],
+    tune_seq_len: Annotated[int, Option("seq_len", model=TuneOptions)] = T["seq_len"],
+    strict: Annotated[bool, Option("strict", "--strict")] = False,
+    workers: Annotated[int, Option("workers")] = D["workers"],
+    lookahead: Annotated[int, Option("lookahead")] = D["lookahead"],
+    device: Annotated[str, Option("device")] = D["device"],
+    allow_non_finite: Annotated[bool, Option("allow_non_finite", "--allow-non-finite")] = False,
     gguf: Annotated[
-        Optional[str],  # noqa: UP045
-        typer.Option("--gguf", help="Also write OUTPUT/model-TYPE.gguf with llama.cpp's "
-                     "converter; TYPE: f32, f16, bf16 or q8_0 (needs --llama-cpp or "
-                     "$LLAMA_CPP_DIR, and the [gguf] extra).", show_default=False),
+        Optional[str], Option("gguf", "--gguf", show_default=False)  # noqa: UP045
     ] = None,
     llama_cpp: Annotated[
-        Optional[Path],  # noqa: UP045
-        typer.Option("--llama-cpp", help="A llama.cpp checkout, or an unpacked llama-cpp-python "
-                     "sdist, whose convert_hf_to_gguf.py --gguf runs.", show_default=False),
+        Optional[Path], Option("llama_cpp", "--llama-cpp", show_default=False)  # noqa: UP045
     ] = None,
 ) -> None:
     """Build a merged dense model or an MoE from RECIPE into OUTPUT."""
@@ -103,29 +79,19 @@ def build(
 
     progress = not quiet and sys.stderr.isatty()
     with Stages(progress)("loading torch and transformers"):
-        from moemerge.api import build as run_build
+        from moemerge.api import build_file
 
-    if verify not in ("auto", "full", "structure"):
-        raise RecipeError(f"--verify: must be auto, full or structure, got {verify!r}")
     if output is None and not dry_run:
         raise RecipeError("OUTPUT: missing; give an output directory, or --dry-run")
-    converter = (_gguf_converter(recipe, gguf, llama_cpp, allow_pickle) if gguf is not None
-                 and not dry_run else None)
-    tune = None
-    if tune_on is not None:
-        from moemerge.tune import TuneOptions
-
-        tune = TuneOptions(
-            tune_on, _floats("--tune-lambdas", tune_lambdas),
-            _floats("--tune-densities", tune_densities), tune_max_tokens, tune_seq_len,
-        )
-    result = run_build(
-        recipe, output, force=force, dry_run=dry_run, allow_pickle=allow_pickle,
-        verify=verify, progress=progress,  # type: ignore[arg-type]
-        tune=tune, on_candidate=None if quiet else _print_candidate, strict=strict,
-        allow_non_finite=allow_non_finite, warn=_print_warning, workers=workers,
-        lookahead=lookahead, device=device,
-    )
+    tune = None if tune_on is None else tune_options(
+        tune_on, lambdas=tune_lambdas, densities=tune_densities, max_tokens=tune_max_tokens,
+        seq_len=tune_seq_len)
+    options = build_options(
+        dry_run=dry_run, force=force, allow_pickle=allow_pickle, verify=verify, strict=strict,
+        allow_non_finite=allow_non_finite, workers=workers, lookahead=lookahead, device=device,
+        tune=tune, gguf=gguf, llama_cpp=llama_cpp)
+    result = build_file(recipe, output, options, progress=progress, warn=_print_warning,
+                        on_candidate=None if quiet else _print_candidate)
     if result.tuning is not None:
         from moemerge.tune import tuning_table
 
@@ -152,46 +118,9 @@ def build(
         f"[green]built[/] {escape(str(output))} ({len(result.plan.jobs)} tensors, {size:.1f} MiB; "
         f"output check: {result.verified})"
     )
-    if converter is not None and output is not None:
-        from moemerge.assemble.gguf import write_gguf
-
-        written = write_gguf(output, gguf, converter)  # type: ignore[arg-type]
-        out.print(f"[green]wrote[/] {escape(str(written))} "
-                  f"({written.stat().st_size / 2**20:.1f} MiB)")
-
-
-def _gguf_converter(recipe: Path, outtype: str, llama_cpp: Path | None,
-                    allow_pickle: bool) -> list[str]:
-    """Before any tensor is read: the converter's command, or the error saying how to get it,
-    or that the output's layout does not convert (its planned config, from headers only)."""
-    from moemerge.api import build as plan_build
-    from moemerge.assemble.gguf import (
-        check_convertible,
-        check_layout_converts,
-        check_outtype,
-        find_converter,
-    )
-    from moemerge.recipe.load import load_recipe
-
-    check_outtype(outtype)
-    check_convertible(load_recipe(recipe))
-    planned = plan_build(recipe, None, dry_run=True, allow_pickle=allow_pickle,
-                         progress=False, warn=lambda _message: None)
-    check_layout_converts(planned.plan.config)
-    return find_converter(llama_cpp)
-
-
-def _floats(option: str, text: str) -> tuple[float, ...]:
-    from moemerge.errors import RecipeError
-
-    try:
-        values = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        values = (math.nan,)
-    if not all(map(math.isfinite, values)):
-        raise RecipeError(f"{option}: expected comma-separated numbers, all finite, got "
-                          f"{text[:80]!r}")
-    return values
+    if result.gguf is not None:
+        out.print(f"[green]wrote[/] {escape(str(result.gguf))} "
+                  f"({result.gguf.stat().st_size / 2**20:.1f} MiB)")
 
 
 def _print_warning(message: str) -> None:

@@ -37,7 +37,7 @@ def extract(
     with (its own, or the shared ones). merged_experts: every FFN merged at the scores of that
     expert alone (one-hot) or at --weights. The tokenizer files are copied and a README.md
     says where the model came from."""
-    from moemerge.assemble.extract import extract_expert
+    from moemerge.finish.extract import extract_expert
     from moemerge.io.atomic import sweep_output
     from moemerge.io.outputs import check_output
 

@@ -131,11 +131,11 @@ class MethodSpec:
 
     @property
     def function(self) -> Callable:
-        return _load(self.target)
+        return load_target(self.target)
 
     @property
     def block_statistics(self) -> Callable | None:
-        return None if self.blocks is None else _load(self.blocks)
+        return None if self.blocks is None else load_target(self.blocks)
 
     def runs_in_blocks(self, params: dict) -> bool:
         """Whether a large tensor merges in row blocks with these parameters (what dispatch
@@ -144,7 +144,8 @@ class MethodSpec:
             params.get(name) == value for name, value in self.whole_if)
 
 
-def _load(target: str | None) -> Callable:
+def load_target(target: str | None) -> Callable:
+    """The object a "module:attribute" target names."""
     module, _, attr = (target or "").partition(":")
     return getattr(importlib.import_module(module), attr)
 

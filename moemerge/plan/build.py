@@ -10,7 +10,7 @@ from moemerge.errors import MismatchError
 from moemerge.plan.common import merge_job, output_dtype, write_order
 from moemerge.plan.fused import fuse_jobs, split_fused
 from moemerge.plan.jobs import Job, Plan, Source
-from moemerge.plan.shared import (
+from moemerge.plan.shared_expert import (
     check_shared_expert,
     downstream_notes,
     shared_expert_jobs,

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -12,14 +13,31 @@ from moemerge.plan.params import ResolvedMerge
 JobKind = Literal["copy", "merge", "router", "zeros", "identity", "random", "lstsq", "fuse"]
 
 
+class Change(Protocol):
+    """What a source's tensor becomes before its job uses it, made in the execute loop: an
+    upcycled expert's FFN slice (plan/upcycle.py), an expert's embedding rows re-indexed to
+    the kept vocabulary (plan/vocab.py). `apply` reads the stored tensor when it needs it (a
+    change may hold what it made from it). Hashable: a Source is a key."""
+
+    def apply(self, read: Callable[[], torch.Tensor]) -> torch.Tensor: ...  # read(): stored
+
+    def shape(self, stored: tuple[int, ...]) -> tuple[int, ...]: ...  # what apply returns
+
+    def dtype(self, stored: torch.dtype) -> torch.dtype: ...
+
+    def describe(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class Source:
     """Tensor `tensor` of input model number `model` (an index into Plan.models); with `rows`
-    (first, end), only those rows (a part of a fused tensor, plan/fused.py)."""
+    (first, end), only those rows (a part of a fused tensor, plan/fused.py); with `change`,
+    what the job uses is change.apply(those rows)."""
 
     model: int
     tensor: str
     rows: tuple[int, int] | None = None
+    change: Change | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +94,7 @@ class Plan:
     jobs: list[Job]
     config: dict
     notes: list[str] = field(default_factory=list)  # build warns each; the model card lists them
+    resident_bytes: int = 0  # what the sources' changes hold between jobs (the memory estimate)
 
     @property
     def total_bytes(self) -> int:
@@ -83,14 +102,16 @@ class Plan:
 
     def describe_job(self, job: Job) -> str:
         def src(s: Source) -> str:
-            return f"{self.labels[s.model]}:{s.tensor}"
+            change = f" as {s.change.describe()}" if s.change is not None else ""
+            return f"{self.labels[s.model]}:{s.tensor}{change}"
 
         if job.kind == "copy":
             how = f"copy {src(job.sources[0])}"
         elif job.kind == "merge":
             assert job.merge is not None
             base = f" base={self.labels[job.base.model]}" if job.base else ""
-            models = ", ".join(self.labels[s.model] for s in job.sources)
+            models = ", ".join(self.labels[s.model] + (f" ({s.change.describe()})" if s.change
+                                                       else "") for s in job.sources)
             how = f"{job.merge.describe()} of [{models}]{base}"
         elif job.kind == "router":
             how = f"router init={job.router_init}"

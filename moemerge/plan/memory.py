@@ -8,12 +8,14 @@ of the whole tensor per model for the others.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from moemerge.merge.blocks import BLOCK_ELEMENTS
 from moemerge.merge.registry import get
 from moemerge.plan.jobs import Job, Plan, Source
+from moemerge.plan.sources import SourceModel
 
 # float32 bytes per entry per model of a merge's working set (tests/integration/
 # test_memory_bound.py measures them): a block's for blocked methods, the tensor's otherwise
@@ -41,13 +43,24 @@ def working_set(job: Job) -> int:
     return numel * (a + b * max(0, n - 1))
 
 
-def estimate(plan: Plan, source_bytes: Callable[[Source], int], lookahead: int = 3,
-             resident: int = 0) -> Estimate:
+def source_bytes(models: list[SourceModel]) -> Callable[[Source], int]:
+    """The bytes a source holds once read: its stored tensor's, or what its change makes."""
+    def size(source: Source) -> int:
+        meta = models[source.model].reader.meta(source.tensor)
+        if source.change is None:
+            return meta.nbytes
+        shape = source.change.shape(tuple(meta.shape))
+        return math.prod(shape) * source.change.dtype(meta.dtype).itemsize
+
+    return size
+
+
+def estimate(plan: Plan, source_bytes: Callable[[Source], int], lookahead: int = 3) -> Estimate:
     """The peak over every `lookahead` consecutive jobs of their inputs and outputs, plus the
-    output being written, the largest working set of one merge and what the readers themselves
-    hold (`resident`: upcycling's float32 copy of a dense FFN tensor)."""
+    output being written, the largest working set of one merge and what the sources' changes
+    hold between jobs (Plan.resident_bytes: upcycling's float32 copy of a dense FFN tensor)."""
     held = [sum(map(source_bytes, job.inputs)) + job.nbytes for job in plan.jobs]
     window = max((sum(held[i:i + lookahead]) for i in range(len(held))), default=0)
     writing = max((job.nbytes for job in plan.jobs), default=0)
-    return Estimate(window + writing + max(map(working_set, plan.jobs), default=0) + resident,
-                    plan.total_bytes)
+    return Estimate(window + writing + max(map(working_set, plan.jobs), default=0)
+                    + plan.resident_bytes, plan.total_bytes)

@@ -13,12 +13,15 @@ Output tensors (see moemerge/modeling/modeling_moemerge.py):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 
 from moemerge.architectures.config import sequence_config
 from moemerge.plan.common import merge_job, output_dtype, write_order
 from moemerge.plan.jobs import Job, Plan, Source
 from moemerge.plan.params import ResolvedMerge
 from moemerge.plan.sources import SourceModel
+from moemerge.plan.vocab import map_vocabularies, mapped_source
 from moemerge.recipe.sequence import BridgedRecipe, SeqRoutedRecipe
 
 SHARED = {"embed": "embed_tokens.weight", "lm_head": "lm_head.weight"}
@@ -41,10 +44,11 @@ def _body_jobs(model: int, source: SourceModel, prefix: str, dtype) -> list[Job]
             if source.roles[name].role not in ("embed", "lm_head")]
 
 
-def _router_job(recipe, experts: list[int], models: list[SourceModel], width: int, dtype) -> Job:
+def _router_job(recipe, experts: list[int], models: list[SourceModel], width: int, dtype,
+                source: Callable[[int, str], Source] = Source) -> Job:
     """router.weight [N, d_m]; the prompts init reads the experts' embeddings."""
     prompts = recipe.router.kind == "learned" and recipe.router.init == "prompts"
-    sources = tuple(Source(m, role_tensor(models[m], "embed")) for m in experts) if prompts else ()
+    sources = tuple(source(m, role_tensor(models[m], "embed")) for m in experts) if prompts else ()
     return Job("router.weight", (len(experts), width), dtype, "router", "router", None, sources,
                router_init="prompts" if prompts else "random")
 
@@ -103,33 +107,38 @@ def _base_jobs(base: SourceModel, dtype) -> list[Job]:
 
 
 def plan_bridged(recipe: BridgedRecipe, models: list[SourceModel]) -> Plan:
-    """models = experts (any widths, depths, families; those with another vocabulary than the
-    tokenizer's expert read through plan/vocab.py's mapping). Shared embedding and head: the
-    experts' zero-padded to d_m and averaged; per expert its stack and projectors."""
+    """models = experts (any widths, depths, families; the embedding and head of those with
+    another vocabulary than the tokenizer's expert read through plan/vocab.py's mapping).
+    Shared embedding and head: the experts' zero-padded to d_m and averaged; per expert its
+    stack and projectors."""
     token = recipe.tokenizer_index
+    maps, notes = map_vocabularies(models, token)
+    source = partial(mapped_source, models, maps)
     widths = [m.config["hidden_size"] for m in models]
     width, vocab = max(widths), models[token].config["vocab_size"]
     dtype = output_dtype(recipe.output.dtype, models[token])
     weights = tuple(e.weight for e in recipe.experts)
     shared = {role: Job(SHARED[role], (vocab, width), dtype, "merge", role, None,
-                        tuple(Source(i, role_tensor(m, role)) for i, m in enumerate(models)),
+                        tuple(source(i, role_tensor(m, role)) for i, m in enumerate(models)),
                         weights=weights, merge=ResolvedMerge("average"))
               for role in ("embed", "lm_head")}
     jobs = list(shared.values())
-    jobs.append(_router_job(recipe, list(range(len(models))), models, width, dtype))
+    jobs.append(_router_job(recipe, list(range(len(models))), models, width, dtype, source))
     init_range = models[token].config.get("initializer_range", 0.02)
     for i, model in enumerate(models):
         jobs += _body_jobs(i, model, f"experts.{i}.", dtype)
         for side, d_in, d_out in (("in", width, widths[i]), ("out", widths[i], width)):
             jobs += _projector_jobs(f"experts.{i}.proj_{side}", d_in, d_out, recipe, init_range,
                                     dtype, fit=shared[SIDE_ROLE[side]],
-                                    own=Source(i, role_tensor(model, SIDE_ROLE[side])))
+                                    own=source(i, role_tensor(model, SIDE_ROLE[side])))
+    configs = [dict(m.config, vocab_size=vocab) if i in maps else m.config
+               for i, m in enumerate(models)]
     config = sequence_config(
-        "bridged", [m.config for m in models], [m.label for m in models], dtype=dtype,
+        "bridged", configs, [m.label for m in models], dtype=dtype,
         width=width, token_source=models[token].config, base=None, shared_embeddings=True,
         shared_lm_head=True, projector_hidden_size=recipe.projectors.hidden_size,
         **_settings(recipe))
-    return Plan([m.label for m in models], jobs, config)
+    return Plan([m.label for m in models], jobs, config, notes)
 
 
 def _projector_jobs(prefix: str, d_in: int, d_out: int, recipe: BridgedRecipe,

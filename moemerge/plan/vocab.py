@@ -9,13 +9,13 @@ s split by the expert's subword model (its BPE merges on the same byte-level str
 that model cannot spell s (another string convention), s decoded to text and encoded by the
 expert's tokenizer. Target ids with no token (padding rows past the tokenizer) get zero rows.
 
-`VocabMapped` is a reader over the expert's checkpoint whose embedding and head are served
-mapped, [V_target, d_expert], computed when read; the bridged plan reads it like any model.
+The bridged plan reads such an expert's embedding and head through a `VocabRows` change:
+[V_expert, d_expert] rows made [V_target, d_expert] in the execute loop.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,12 +23,13 @@ import torch.nn.functional as F
 
 from moemerge.errors import CheckpointError, MismatchError, RecipeError
 from moemerge.io.paths import confined
+from moemerge.plan.jobs import Source
 from moemerge.plan.sources import SourceModel, vocab_fingerprint
 
 TOKENIZER_FILE = "tokenizer.json"
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: a change holds it
 class VocabMap:
     """Expert rows making each target row: row t = mean of expert rows ids[offsets[t]:
     offsets[t + 1]] (an empty range is a zero row)."""
@@ -126,29 +127,23 @@ def build_map(target, source, size: int, rows: int, where: str) -> VocabMap:
                     torch.tensor(offsets, dtype=torch.long), **counts)
 
 
-class VocabMapped:
-    """A read-only reader over an expert's checkpoint: its embedding and head tensors
-    (`mapped`) come back as `vmap.apply(rows)`, everything else as stored."""
+@dataclass(frozen=True)
+class VocabRows:
+    """An expert's embedding or head rows in the kept vocabulary's order (a Source's change)."""
 
-    def __init__(self, model: SourceModel, vmap: VocabMap, mapped: set[str]):
-        self.reader, self.vmap, self.mapped = model.reader, vmap, mapped
-        self.config = dict(model.config, vocab_size=vmap.size)
+    vmap: VocabMap
 
-    def names(self) -> list[str]:
-        return self.reader.names()
+    def apply(self, read: Callable[[], torch.Tensor]) -> torch.Tensor:
+        return self.vmap.apply(read())
 
-    def __contains__(self, name: object) -> bool:
-        return name in self.reader
+    def shape(self, stored: tuple[int, ...]) -> tuple[int, ...]:
+        return (self.vmap.size, *stored[1:])
 
-    def meta(self, name: str):
-        meta = self.reader.meta(name)
-        if name not in self.mapped:
-            return meta
-        return dataclasses.replace(meta, shape=(self.vmap.size, *meta.shape[1:]))
+    def dtype(self, stored: torch.dtype) -> torch.dtype:
+        return stored
 
-    def read(self, name: str) -> torch.Tensor:
-        tensor = self.reader.read(name)
-        return self.vmap.apply(tensor) if name in self.mapped else tensor
+    def describe(self) -> str:
+        return f"rows mapped to the kept vocabulary ({self.vmap.size})"
 
 
 def _same_vocabulary(a: SourceModel, b: SourceModel) -> bool:
@@ -158,24 +153,26 @@ def _same_vocabulary(a: SourceModel, b: SourceModel) -> bool:
     return fa is None or fb is None or fa == fb  # no tokenizer.json: assumed the same
 
 
-def map_vocabularies(models: list[SourceModel], target: int) -> tuple[list[SourceModel],
-                                                                      list[str]]:
-    """(models, notes): each expert whose vocabulary differs from models[target]'s replaced by
-    a view with mapped embedding and head, and one note per mapped expert."""
-    ref, out, notes = models[target], [], []
+def map_vocabularies(models: list[SourceModel], target: int
+                     ) -> tuple[dict[int, VocabMap], list[str]]:
+    """({model index: its map} for each expert whose vocabulary differs from models[target]'s,
+    one note per mapped expert)."""
+    ref, maps, notes = models[target], {}, []
     size = ref.config["vocab_size"]
     target_tok = None
-    for model in models:
+    for i, model in enumerate(models):
         if model is ref or _same_vocabulary(ref, model):
-            out.append(model)
             continue
         target_tok = target_tok or load_tokenizer_file(ref)
-        mapped = {n for n, r in model.roles.items() if r.role in ("embed", "lm_head")}
-        rows = model.reader.meta(next(n for n in mapped if model.roles[n].role == "embed"))
-        vmap = build_map(target_tok, load_tokenizer_file(model), size, rows.shape[0],
-                         model.where())
-        out.append(SourceModel(model.label, model.path, VocabMapped(model, vmap, mapped),
-                               model.family, model.roles))
-        notes.append(vmap.describe(model.where(), ref.where()))
-    return out, notes
+        embed = next(n for n, r in model.roles.items() if r.role == "embed")
+        maps[i] = build_map(target_tok, load_tokenizer_file(model), size,
+                            model.reader.meta(embed).shape[0], model.where())
+        notes.append(maps[i].describe(model.where(), ref.where()))
+    return maps, notes
 
+
+def mapped_source(models: list[SourceModel], maps: dict[int, VocabMap], model: int,
+                  tensor: str) -> Source:
+    """A source of the plan; an embedding or head of a mapped expert reads through its map."""
+    mapped = model in maps and models[model].roles[tensor].role in ("embed", "lm_head")
+    return Source(model, tensor, change=VocabRows(maps[model]) if mapped else None)

@@ -8,42 +8,30 @@ and no message echoes more than a short prefix of a value.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Union
 
 import yaml
 from pydantic import Discriminator, Tag, TypeAdapter, ValidationError
 
 from moemerge.errors import RecipeError
-from moemerge.recipe.merged import MergedExpertsRecipe
-from moemerge.recipe.models import MergeRecipe, MoERecipe
-from moemerge.recipe.sequence import BridgedRecipe, SeqRoutedRecipe
-from moemerge.recipe.shrink import ShrinkRecipe
-from moemerge.recipe.upcycle import UpcycleRecipe
-
-AnyRecipe = (MergeRecipe | MoERecipe | SeqRoutedRecipe | BridgedRecipe | MergedExpertsRecipe
-             | UpcycleRecipe | ShrinkRecipe)
-ASSEMBLIES = ("token_routed", "seq_routed", "bridged", "merged_experts")
+from moemerge.recipe.kinds import ASSEMBLIES, BY_TAG, DEFAULT_ASSEMBLY, KINDS, AnyRecipe
 
 
 def _recipe_tag(value) -> str | None:
-    """'merge', 'moe' (token_routed, the default assembly) or 'moe:<assembly>'."""
+    """'merge', 'moe' (the default assembly, token_routed) or 'moe:<assembly>'."""
     data = value if isinstance(value, dict) else vars(value)
     kind = data.get("kind")
-    assembly = data.get("assembly", "token_routed")
-    return kind if kind != "moe" or assembly == "token_routed" else f"moe:{assembly}"
+    assembly = data.get("assembly", DEFAULT_ASSEMBLY)
+    return kind if kind != "moe" or assembly == DEFAULT_ASSEMBLY else f"moe:{assembly}"
 
 
 Recipe = Annotated[
-    Annotated[MergeRecipe, Tag("merge")] | Annotated[MoERecipe, Tag("moe")]
-    | Annotated[SeqRoutedRecipe, Tag("moe:seq_routed")]
-    | Annotated[BridgedRecipe, Tag("moe:bridged")]
-    | Annotated[MergedExpertsRecipe, Tag("moe:merged_experts")]
-    | Annotated[UpcycleRecipe, Tag("upcycle")]
-    | Annotated[ShrinkRecipe, Tag("shrink")],
+    Union[tuple(Annotated[kind.recipe, Tag(kind.tag)] for kind in KINDS)],  # noqa: UP007 - made
     Discriminator(_recipe_tag),
 ]
 _ADAPTER: TypeAdapter = TypeAdapter(Recipe)
-_TAGS = ("merge", "moe", "moe:seq_routed", "moe:bridged", "moe:merged_experts", "upcycle", "shrink")
+_TAGS = tuple(BY_TAG)
+_KIND_NAMES = list(dict.fromkeys(kind.tag.partition(":")[0] for kind in KINDS))
 
 
 def _field_path(loc: tuple) -> str:
@@ -174,14 +162,18 @@ def _describe(err: dict) -> str:
         if data.get("kind") == "moe":
             return (f"assembly: must be one of {', '.join(ASSEMBLIES)}, got "
                     f"{short(data.get('assembly'))}")
-        return (f"kind: must be 'merge', 'moe', 'upcycle' or 'shrink', got "
-                f"{short(data.get('kind'))}")
+        return (f"kind: must be {_either(_KIND_NAMES)}, got {short(data.get('kind'))}")
     if err["type"] == "union_tag_not_found":
         return ("kind: missing; say 'kind: merge' (dense merge), 'kind: moe', 'kind: upcycle' "
                 "(one dense model into an MoE) or 'kind: shrink' (fewer experts)")
     msg = err["msg"].removeprefix("Value error, ")[:300]
     # whole-recipe checks name their own field at the start of the message
     return f"{field[:200]}: {msg}" if field else msg
+
+
+def _either(names: list[str]) -> str:
+    quoted = [f"'{name}'" for name in names]
+    return ", ".join(quoted[:-1]) + " or " + quoted[-1]
 
 
 def parse_recipe(data: object, source: str = "<recipe>") -> AnyRecipe:

@@ -119,10 +119,11 @@ def calibrate_token_routers(model, cal: Calibration, stats: dict | None = None
                              fit)
 
 
-def calibrate_merged_routers(model, cal: Calibration) -> dict[int, torch.Tensor]:
+def calibrate_merged_routers(model, cal: Calibration, stats: dict | None = None
+                             ) -> dict[int, torch.Tensor]:
     """{layer: router [E, H]} of a merged-experts MoE, fitted on the segment means each layer's
     router reads (the running means of segment 0 included), each row's target the mean target
-    of its window."""
+    of its window. (`stats`: none kept; `extend` calibrates these routers again.)"""
     per_window = cal.targets.mean(dim=1)  # [W, E]
     routers = {}
     for layer, router, x, window in layer_rows(
@@ -142,3 +143,9 @@ def calibrate_sequence_router(model, cal: Calibration) -> torch.Tensor:
     window = torch.arange(x.shape[0])
     return _solve(x, cal.targets.mean(dim=1), window, cal.confidence,
                   model.config.routing_temperature)
+
+
+def calibrate_sequence_routers(model, cal: Calibration, stats: dict | None = None
+                               ) -> dict[None, torch.Tensor]:
+    """{None: the one sequence router}, as the other kinds' calibrators give theirs by layer."""
+    return {None: calibrate_sequence_router(model, cal)}

@@ -1,14 +1,20 @@
-"""Make the router tensor of a plan's router job, whatever the recipe's kind and init."""
+"""Make the router tensor of a plan's router job, whatever the recipe's kind and init.
+
+Each kind's router maker (its `router` in recipe/kinds.py) is built once per build from the
+recipe and the opened models; `make(job, load)` gives a router job's tensor in the execute loop.
+`router.init: calibrate` writes a placeholder here, fitted after the write
+(routing/calibration.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from moemerge.merge.primitives import zero_pad
 from moemerge.plan.jobs import Job, Source
+from moemerge.plan.sources import SourceModel
+from moemerge.recipe.kinds import kind_of
 from moemerge.recipe.models import MoERecipe
 from moemerge.routing.init import random_router, task_vector_router
 from moemerge.routing.prompts import embed_router_rows, prompt_router_rows
@@ -16,24 +22,24 @@ from moemerge.routing.prompts import embed_router_rows, prompt_router_rows
 Load = Callable[[Source], torch.Tensor]
 
 
-class RouterFactory:
-    """Token routers: built once per build; `make(job, load)` returns a layer's router [E, H]."""
+class TokenRouters:
+    """Token routers: `make(job, load)` returns a layer's router [E, H]."""
 
-    def __init__(self, recipe: MoERecipe, base_dir: Path, base_config: dict, load_base: Callable,
-                 *, ffn_module: str = "mlp"):
+    def __init__(self, recipe: MoERecipe, models: list[SourceModel]):
+        base = models[0]
         self.recipe = recipe
-        self.std = recipe.router.std or base_config.get("initializer_range", 0.02)
+        self.std = recipe.router.std or base.config.get("initializer_range", 0.02)
         self._rows: torch.Tensor | None = None  # [L, E, H] for prompts / cheap_embed
         init, kwargs = recipe.router.init, {
             "include_base": recipe.include_base_expert,
             "max_tokens": recipe.router.max_prompt_tokens,
         }
         if init == "prompts":
-            self._rows = prompt_router_rows(base_dir, recipe.experts, ffn_module=ffn_module,
-                                            **kwargs)
+            self._rows = prompt_router_rows(base.path, recipe.experts,
+                                            ffn_module=base.family.ffn_module, **kwargs)
         elif init == "cheap_embed":
-            embed, norms = load_base()
-            self._rows = embed_router_rows(base_dir, recipe.experts, embed, norms, **kwargs)
+            embed, norms = _embed_and_norms(base)
+            self._rows = embed_router_rows(base.path, recipe.experts, embed, norms, **kwargs)
 
     def make(self, job: Job, load: Load) -> torch.Tensor:
         init = self.recipe.router.init
@@ -45,13 +51,13 @@ class RouterFactory:
         return self._rows[job.layer]
 
 
-class UpcycleRouterFactory:
+class UpcycleRouters:
     """Routers of `kind: upcycle` [N·m, H]: random, or virtual_group (one random row per copy,
     repeated for its m slices, so a copy's slices start with equal logits; plan/upcycle.py)."""
 
-    def __init__(self, recipe, config: dict):
+    def __init__(self, recipe, models: list[SourceModel]):
         self.recipe = recipe
-        self.std = recipe.router.std or config.get("initializer_range", 0.02)
+        self.std = recipe.router.std or models[0].config.get("initializer_range", 0.02)
 
     def make(self, job: Job, load: Load) -> torch.Tensor:
         recipe = self.recipe
@@ -61,14 +67,16 @@ class UpcycleRouterFactory:
         return rows.repeat_interleave(recipe.granularity, dim=0)
 
 
-class SequenceRouterFactory:
+class SequenceRouters:
     """The sequence router [N, d_m] of seq_routed / bridged models: it reads the mean token
     embedding, so the prompts init is each expert's prompts' mean embedding (in the experts'
-    average embedding, zero-padded to d_m), centred across experts, as unit rows."""
+    average embedding, zero-padded to d_m), centred across experts, as unit rows (in the
+    kept tokenizer's ids)."""
 
-    def __init__(self, recipe, tokenizer_dir: Path, config: dict):
-        self.recipe, self.tokenizer_dir = recipe, tokenizer_dir
-        self.std = recipe.router.std or config.get("initializer_range", 0.02)
+    def __init__(self, recipe, models: list[SourceModel]):
+        source = models[kind_of(recipe).tokenizer(recipe)]
+        self.recipe, self.tokenizer_dir = recipe, source.path
+        self.std = recipe.router.std or source.config.get("initializer_range", 0.02)
 
     def make(self, job: Job, load: Load) -> torch.Tensor:
         if job.router_init == "random":
@@ -79,3 +87,22 @@ class SequenceRouterFactory:
         return embed_router_rows(self.tokenizer_dir, self.recipe.experts, embed,
                                  [torch.ones(width)], include_base=False,
                                  max_tokens=self.recipe.router.max_prompt_tokens)[0]
+
+
+def router_maker(recipe, models: list[SourceModel]) -> Callable[[Job, Load], torch.Tensor] | None:
+    """The kind's router maker for this build (once, after every check), or None for a kind
+    without routers."""
+    kind = kind_of(recipe)
+    return kind.load("router")(recipe, models).make if kind.router is not None else None
+
+
+def _embed_and_norms(base: SourceModel):
+    """The base's embedding [V, H] and, per layer, the weight of the norm its FFN reads through
+    (the family table's `router_input_norm`; ones where there is none), for cheap_embed."""
+    embed = next(n for n, r in base.roles.items() if r.role == "embed")
+    layers = base.config["num_hidden_layers"]
+    norm = base.family.router_input_norm
+    if norm is None:
+        return base.reader.read(embed), [torch.ones(base.config["hidden_size"])] * layers
+    return base.reader.read(embed), [base.reader.read(f"model.layers.{layer}.{norm}")
+                                     for layer in range(layers)]

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import yaml
 
-from moemerge.assemble.extract.token_routed import token_layout
-from moemerge.assemble.verify import FULL_LOAD_LIMIT, check_loads
 from moemerge.data import read_domains
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.eval.perplexity import load_tokenizer
+from moemerge.finish.extract.token_routed import token_layout
+from moemerge.finish.verify import FULL_LOAD_LIMIT, check_loads
 from moemerge.io.atomic import (
     RECIPE_COPY,
     SIDE_FILES,
@@ -35,13 +35,13 @@ from moemerge.io.writer import ShardedWriter, finite, overwrite_tensors
 from moemerge.loading import load_pretrained
 from moemerge.progress import Stages
 from moemerge.recipe.shrink import ShrinkRecipe
+from moemerge.routing.calibration import calibration_windows
 from moemerge.shrink.card import SHRINK_FILE, readme, shrink_json
 from moemerge.shrink.merge import merge
 from moemerge.shrink.prune import Grouping, prune
 from moemerge.shrink.repair import repair_routers
 from moemerge.shrink.stats import collect_stats
 from moemerge.shrink.write import check_group_sizes, shrunk_config, shrunk_tensors
-from moemerge.train.calibration import calibration_windows
 
 __all__ = ["Shrunk", "input_model", "shrink"]
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from moemerge.architectures.tables import MoELayout
-from moemerge.assemble.extract.plan import DenseTensor, Extraction
-from moemerge.assemble.extract.token_routed import name_pattern
 from moemerge.errors import RecipeError
+from moemerge.finish.extract.plan import DenseTensor, Extraction
+from moemerge.finish.extract.token_routed import name_pattern
 from moemerge.io.reader import CheckpointReader
 from moemerge.merge.dispatch import merge
 from moemerge.merge.registry import REGISTRY

@@ -21,10 +21,10 @@ from moemerge.io.paths import check_output_apart, working_directory
 from moemerge.io.reader import CheckpointReader
 from moemerge.loading import load_causal_lm
 from moemerge.modeling import is_merged_experts, is_sequence_routed
+from moemerge.token_blocks import Blocks, make_blocks
 from moemerge.train import checkpoint, distributed, loop, report, sharding
 from moemerge.train.aux_loss import default_aux_loss_coef
 from moemerge.train.config import TrainConfig
-from moemerge.train.data import Blocks, make_blocks
 from moemerge.train.export import export, write_json
 from moemerge.train.memory import enable_gradient_checkpointing
 from moemerge.train.params import (

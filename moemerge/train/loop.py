@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moemerge.token_blocks import Blocks, global_batch
 from moemerge.train.config import TrainConfig
-from moemerge.train.data import Blocks, global_batch
 from moemerge.train.distributed import Dist, all_sum, shard
 
 

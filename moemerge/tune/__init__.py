@@ -1,6 +1,7 @@
 """Choose merge λ and density per tensor role on held-out text (`moemerge build --tune-on`)."""
 
 from moemerge.tune.output import TUNING_FILE, tuned_recipe_text, tuning_json, tuning_table
+from moemerge.tune.run import tune_recipe
 from moemerge.tune.search import (
     Candidate,
     TuneOptions,
@@ -14,5 +15,6 @@ from moemerge.tune.search import (
 
 __all__ = [
     "TUNING_FILE", "Candidate", "TuneOptions", "TuneResult", "check_length", "check_options",
-    "read_held_out", "search", "tunable_jobs", "tuned_recipe_text", "tuning_json", "tuning_table",
+    "read_held_out", "search", "tunable_jobs", "tune_recipe", "tuned_recipe_text", "tuning_json",
+    "tuning_table",
 ]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from moemerge.build_options import TuneOptions
 from moemerge.data import domain_texts
 from moemerge.errors import OutputError, RecipeError
 from moemerge.eval.perplexity import perplexity
@@ -29,15 +30,6 @@ ROLE_ORDER = ("embed", "attn", "norm", "ffn", "lm_head")
 # a candidate must beat the best so far by this fraction of its perplexity: smaller gains are
 # rounding (e.g. λ on a zero task vector) or noise of a few-thousand-token text, not signal
 MIN_GAIN = 1e-4
-
-
-@dataclass(frozen=True)
-class TuneOptions:
-    text: Path  # the held-out text file
-    lambdas: tuple[float, ...] = (0.3, 0.5, 0.7, 1.0)
-    densities: tuple[float, ...] = (0.5, 0.7, 0.9)
-    max_tokens: int = 8192
-    seq_len: int = 64
 
 
 @dataclass(frozen=True)

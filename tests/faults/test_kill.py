@@ -216,7 +216,7 @@ def test_export_sweeps_dead_temp_dirs(tiny_moe, tmp_path):
     alive = tmp_path / f".out.moemerge-tmp-{os.getppid()}-efgh"
     for d in (stale, alive):
         d.mkdir()
-    result = CliRunner().invoke(app, ["export", str(tiny_moe), str(tmp_path / "out")])
+    result = CliRunner().invoke(app, ["bake", str(tiny_moe), str(tmp_path / "out")])
     # the wrong model kind: exit 1, as in `route` and `inspect --data`
     assert result.exit_code == 1 and "not a merged-experts model" in result.output, result.output
     assert not stale.exists() and alive.exists()

@@ -279,7 +279,7 @@ def test_export_bakes_the_curvature_and_keeps_the_outputs(model_factory, tmp_pat
     model.save_pretrained(tmp_path / "tuned")
     for extra in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / "tuned" / extra).write_bytes((out / extra).read_bytes())
-    result = CliRunner().invoke(app, ["export", str(tmp_path / "tuned"), str(tmp_path / "baked")])
+    result = CliRunner().invoke(app, ["bake", str(tmp_path / "tuned"), str(tmp_path / "baked")])
     assert result.exit_code == 0, result.output
     config = json.loads((tmp_path / "baked" / "config.json").read_text())
     assert config["curvature"] == "none"

@@ -158,7 +158,7 @@ def test_a_shrunk_moe_converts_with_its_experts_intact(tmp_path):
     from safetensors.torch import load_file
 
     from moemerge.api import build
-    from moemerge.assemble.gguf import find_converter, write_gguf
+    from moemerge.finish.gguf import find_converter, write_gguf
 
     moe = tmp_path / "moe"
     build(sentencepiece_moe(tmp_path, count=4), moe, progress=False, verify="structure")
@@ -206,8 +206,8 @@ def test_a_layout_llama_cpp_cannot_convert_is_refused_before_any_tensor_is_read(
 def test_more_experts_than_llama_cpp_loads_is_said():
     """llama.cpp asserts n_expert <= LLAMA_MAX_EXPERTS (1024) when it loads a GGUF: `build
     --gguf` refuses such a config before any work; `extend` notes it (too_many_experts)."""
-    from moemerge.assemble.gguf import check_layout_converts, too_many_experts
     from moemerge.errors import RecipeError
+    from moemerge.finish.gguf import check_layout_converts, too_many_experts
 
     config = {"architectures": ["MixtralForCausalLM"], "num_local_experts": 1024}
     assert too_many_experts(config) is None

@@ -49,7 +49,7 @@ for run in json.loads(sys.argv[1]):
     gc.collect()
     open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
     before = status("VmRSS")
-    build(run["recipe"], run["out"], progress=False, verify="none", lookahead=run["lookahead"])
+    build(run["recipe"], run["out"], progress=False, verify="structure", lookahead=run["lookahead"])
     print(json.dumps({**run, "extra": status("VmHWM") - before, "estimate": estimate}),
           flush=True)
 """

@@ -180,7 +180,7 @@ def plain_reap(moe, text_ids, layer, num_experts, top_k):
 def test_pruning_one_expert_removes_the_least_salient(model_factory, tmp_path, calib):
     from moemerge.eval.perplexity import load_tokenizer
     from moemerge.recipe.models import CalibrationText
-    from moemerge.train.calibration import calibration_windows
+    from moemerge.routing.calibration import calibration_windows
 
     moe = make_moe(tmp_path, model_factory("llama"))
     run(moe, tmp_path / "out", calib, experts=3, method="prune", repair=False)

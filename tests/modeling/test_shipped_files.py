@@ -6,7 +6,7 @@ import re
 from importlib import resources
 
 from moemerge.architectures.config import AUTO_MAP, MERGED_AUTO_MAP
-from moemerge.assemble.remote_code import MODELING_FILES
+from moemerge.finish.remote_code import MODELING_FILES
 
 RELATIVE = re.compile(r"^\s*from\s+\.(\S+)\s+import", re.MULTILINE)
 

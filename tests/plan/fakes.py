@@ -1,7 +1,7 @@
 """Checkpoints made of headers only, for planner tests: a config.json (a published one, shrunk:
 moemerge/toy/published_configs.json) and the tensor names, shapes and dtypes that transformers'
 own class of that config saves, with no tensor data and no file. `plan_from_headers` runs the
-planning stage of a build (open_sources, the upcycle and vocabulary views, make_plan) on them;
+planning stage of a build (plan/recipe_plan.open_and_plan) on them;
 a planner that reads tensor data fails (FakeReader.read).
 
 `saved_shapes` is also what an output config must hold: its transformers class (moemerge's own
@@ -19,17 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from moemerge.api import _labelled_refs, make_plan
 from moemerge.loading import quiet_transformers
 from moemerge.modeling import register
 from moemerge.plan import sources
 from moemerge.plan.jobs import Job, Plan
-from moemerge.plan.sources import SourceModel, open_sources
-from moemerge.plan.upcycle import upcycle_sources
-from moemerge.plan.vocab import map_vocabularies
+from moemerge.plan.recipe_plan import open_and_plan
+from moemerge.plan.sources import SourceModel
 from moemerge.recipe.load import parse_recipe
-from moemerge.recipe.sequence import BridgedRecipe
-from moemerge.recipe.upcycle import UpcycleRecipe
 from moemerge.toy.published import shrunk_config
 
 SHAPE = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -154,15 +150,7 @@ def plan_from_headers(recipe: dict, checkpoints: dict[str, FakeReader]) -> tuple
     with ExitStack() as stack, pytest.MonkeyPatch.context() as patch:
         patch.setattr(sources, "resolve_refs", resolve)
         patch.setattr(sources, "CheckpointReader", reader)
-        models = open_sources(_labelled_refs(parsed), None, allow_pickle=False, stack=stack,
-                              compatible=not isinstance(parsed, BridgedRecipe))
-        notes = []
-        if isinstance(parsed, UpcycleRecipe):
-            models = upcycle_sources(parsed, models)
-        if isinstance(parsed, BridgedRecipe):
-            models, notes = map_vocabularies(models, parsed.tokenizer_index)
-        plan = make_plan(parsed, models)
-    plan.notes[:0] = notes
+        models, plan = open_and_plan(parsed, None, allow_pickle=False, stack=stack)
     return plan, models
 
 
@@ -178,7 +166,8 @@ def leaves(jobs: list[Job]) -> dict[str, Job]:
 
 def check_plan(plan: Plan, models: list[SourceModel]) -> None:
     """What holds for every plan: one job per output, every tensor a job reads is in its
-    model's headers (its rows inside the tensor), a copy keeps its source's shape, a fused job's
+    model's headers (its rows inside the tensor), a copy keeps its source's shape (after its
+    change), a fused job's
     parts add up to it, and the planned config's dtype is every job's (curvature: float32)."""
     outputs = [job.output for job in plan.jobs]
     assert len(outputs) == len(set(outputs)), "an output tensor planned twice"
@@ -192,6 +181,8 @@ def check_plan(plan: Plan, models: list[SourceModel]) -> None:
                 first, end = source.rows
                 assert 0 <= first < end <= shape[0], (job.output, source, shape)
                 shape = (end - first, *shape[1:])
+            if source.change is not None:
+                shape = tuple(source.change.shape(shape))
             if job.kind == "copy":
                 assert shape == tuple(job.shape), (job.output, source, shape, job.shape)
         if job.kind == "fuse":

@@ -1,14 +1,14 @@
 """upcycle plans from headers only: the output holds exactly what transformers' MoE class for
 the planned config saves; non-FFN tensors copied from the dense model, a router per layer,
-expert c·m + j = slice j of copy c of the dense FFN (made when read by the upcycled view: the
-plan names which dense tensor and which slice)."""
+expert c·m + j = slice j of copy c of the dense FFN (a copy of the dense tensor with an
+UpcycledSlice change, made in the execute loop: the plan names which tensor, copy and slice)."""
 
 import pytest
 from conftest import needs_class
 
 from moemerge.errors import MismatchError, RecipeError
 from moemerge.plan.jobs import Source
-from moemerge.plan.upcycle import VIEW_LABEL
+from moemerge.plan.upcycle import UpcycledSlice
 from plan.fakes import check_plan, fake, plan_from_headers, planned_shapes, saved_shapes
 
 TARGETS = {"llama": "MixtralForCausalLM", "mistral": "MixtralForCausalLM",
@@ -28,7 +28,7 @@ def upcycle(family: str, granularity: int = 1, **extra):
 def test_the_plan_is_what_transformers_saves(family, m):
     plan, models = upcycle(family, m)
     check_plan(plan, models)
-    assert plan.labels == ["dense", VIEW_LABEL]
+    assert plan.labels == ["dense"]
     assert plan.config["architectures"] == [TARGETS[family]]
     assert planned_shapes(plan) == saved_shapes(plan.config)
     experts = plan.config.get("num_local_experts", plan.config.get("num_experts"))
@@ -38,20 +38,25 @@ def test_the_plan_is_what_transformers_saves(family, m):
 @pytest.mark.parametrize(("family", "m"), CASES)
 def test_experts_are_slices_of_copies_of_the_dense_ffn(family, m):
     plan, models = upcycle(family, m)
-    dense, view = models[0], models[1].reader
+    dense = models[0]
     copies = [s for job in plan.jobs for g in (job.parts or ((job,),)) for p in g
-              for s in p.inputs if s.model == 1]
-    # each dense FFN tensor of each layer: 3 copies × m slices, in that order, each read once
+              for s in p.inputs if s.change is not None]
+    assert all(isinstance(s.change, UpcycledSlice) and s.model == 0 for s in copies)
+    # each dense FFN tensor of each layer: 3 copies × m slices, in that order, each made once
     for name, role in dense.roles.items():
         if role.role == "ffn":
-            wanted = [Source(1, view.name(name, c, j)) for c in range(3) for j in range(m)]
-            assert [s for s in copies if s.tensor.startswith(f"{name}#")] == wanted
+            made = [(s.change.copy, s.change.slice) for s in copies if s.tensor == name]
+            assert made == [(c, j) for c in range(3) for j in range(m)]
+            assert all(s.change.dense == name and s.change.proj == role.proj
+                       for s in copies if s.tensor == name)
     assert len(copies) == len(set(copies)) == 3 * m * sum(
         r.role == "ffn" for r in dense.roles.values())
     width = 64 // m  # intermediate_size / m: gate/up keep rows, down keeps columns
-    for source in copies:
-        shape = view.meta(source.tensor).shape
-        assert shape == ((32, width) if ".down_proj." in source.tensor else (width, 32))
+    for job in plan.jobs:
+        for part in (p for g in (job.parts or ((job,),)) for p in g):
+            if part.sources and part.sources[0].change is not None:
+                assert tuple(part.shape) == ((32, width) if ".down_proj" in part.sources[0].tensor
+                                             else (width, 32))
     assert plan.config.get("moe_intermediate_size", plan.config["intermediate_size"]) == width
 
 

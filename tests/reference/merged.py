@@ -82,7 +82,7 @@ def ffn(model, layer: int) -> dict:
 def merged_experts_model(base, experts, tensors: dict, *, alpha: float, segment: int,
                          mask: str, dynamic: bool, kronecker: bool):
     """The base's dense model with averaged non-FFN weights and reference FFNs; also returns the
-    baked experts E_m + M_i τ_i per layer (what `moemerge export` must write)."""
+    baked experts E_m + M_i τ_i per layer (what `moemerge bake` must write)."""
     model, sources = dense(base), [dense(e) for e in experts]
     with torch.no_grad():
         own = dict(model.named_parameters())

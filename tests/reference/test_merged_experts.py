@@ -1,6 +1,6 @@
 """merged_experts as shipped (trust_remote_code) against the plain reference: 3 distinct
 experts, segment_length not dividing the length, rank 1 and 2 curvature with random factors,
-each mask, dynamic on and off; and `moemerge export` against the reference's baked experts."""
+each mask, dynamic on and off; and `moemerge bake` against the reference's baked experts."""
 
 import pytest
 import torch
@@ -85,8 +85,8 @@ def test_shipped_equals_the_reference(experts_set, rank, mask, dynamic, source_s
 
 
 def export_mismatch(out, baked, tmp_path) -> float:
-    """`moemerge export` of `out`: max |Δ| of its expert weights from the reference's `baked`."""
-    result = CliRunner().invoke(app, ["export", str(out), str(tmp_path / "baked")])
+    """`moemerge bake` of `out`: max |Δ| of its expert weights from the reference's `baked`."""
+    result = CliRunner().invoke(app, ["bake", str(out), str(tmp_path / "baked")])
     assert result.exit_code == 0, result.output
     written = output_tensors(tmp_path / "baked")
     return float(max((written[f"model.layers.{layer}.mlp.experts.{i}.{p}.weight"] - w).abs().max()

@@ -3,7 +3,7 @@ reach outside it, also when the directory is given as a relative path (a path al
 to a relative directory was once joined twice, so its links were never checked: finetune
 copied /etc/passwd into its output as notes.txt and extras/passwd, exit 0).
 
-READERS enumerates them: build (merge, upcycle, calibrate), finetune, export, route,
+READERS enumerates them: build (merge, upcycle, calibrate), finetune, bake, route,
 inspect task-vectors, inspect routing. import-mergekit reads no model directory (only the
 config it translates)."""
 
@@ -58,7 +58,7 @@ READERS = {
     "build upcycle": ("dense", ["build", "upcycle.yaml", "out", "-q"]),
     "build calibrate": ("dense", ["build", "calibrate.yaml", "out", "-q"]),
     "finetune": ("moe", ["finetune", "moe", "out", "--data", "text.txt", "-q", "--steps", "1"]),
-    "export": ("moe", ["export", "moe", "out"]),
+    "bake": ("moe", ["bake", "moe", "out"]),
     "extract": ("moe", ["extract", "moe", "out", "--expert", "0"]),
     "extend": ("moe", ["extend", "moe", "out", "--expert", "dense", "--calibration",
                        "text.txt", "--keep-shared"]),

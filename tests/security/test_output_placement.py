@@ -48,7 +48,7 @@ def test_finetune_export_and_toy_refuse_too(project, tmp_path, train_text, monke
     data_dir = tmp_path / "work" / "data"
     code, text = cli("finetune", project / "e0", tmp_path / "work", "--data", f"x={data_dir}")
     assert code == 2
-    code, text = cli("export", project / "e0", project, "--force")
+    code, text = cli("bake", project / "e0", project, "--force")
     assert code == 2 and "contains the input model" in text
     assert snapshot(tmp_path) == before
 

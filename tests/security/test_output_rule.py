@@ -21,7 +21,8 @@ from moemerge.cli import app
 OUTPUTS = {
     ("build", "output"): "dir",
     ("finetune", "output"): "dir",
-    ("export", "output"): "dir",
+    ("bake", "output"): "dir",
+    ("export", "output"): "dir",  # bake's first name
     ("extract", "output"): "dir",
     ("extend", "output"): "dir",
     ("shrink", "output"): "dir",
@@ -40,7 +41,8 @@ NOT_OUTPUTS = {
     ("build", "recipe"), ("build", "verify"), ("build", "tune_on"), ("build", "tune_lambdas"),
     ("build", "tune_densities"), ("build", "device"), ("build", "llama_cpp"),
     ("build", "gguf"),  # a type (f16, ...): the GGUF goes inside OUTPUT, under its rule
-    ("validate", "recipes"), ("toy", "preset"), ("demo", "preset"), ("export", "model"),
+    ("validate", "recipes"), ("toy", "preset"), ("demo", "preset"), ("bake", "model"),
+    ("export", "model"),
     ("extract", "model"), ("extract", "expert"), ("extract", "weights"),
     ("extend", "model"), ("extend", "expert"), ("extend", "name"), ("extend", "calibration"),
     ("shrink", "model"), ("shrink", "calibration"), ("shrink", "method"), ("shrink", "saliency"),
@@ -121,8 +123,8 @@ def invocation(key, w, target):
     if command == "finetune":
         return (["finetune", w["moe"], target, "--data", w["text"], "-q", "--steps", "1"],
                 w["moe"] / "config.json")
-    if command == "export":
-        return ["export", w["moe"], target], w["moe"] / "config.json"
+    if command in ("bake", "export"):
+        return [command, w["moe"], target], w["moe"] / "config.json"
     if command == "extract":
         return ["extract", w["moe"], target, "--expert", "0"], w["moe"] / "config.json"
     if command == "extend":  # the new expert is an input too

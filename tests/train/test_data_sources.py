@@ -48,7 +48,7 @@ class _CharTokenizer:
 
 def test_held_out_files_are_evaluated_never_trained_on(tmp_path):
     from moemerge.data import read_domains
-    from moemerge.train.data import make_blocks
+    from moemerge.token_blocks import make_blocks
 
     (tmp_path / "code.train.txt").write_text("t" * 79)  # 80 tokens with EOS: 8 blocks of 10
     (tmp_path / "code.eval.txt").write_text("e" * 19)  # 2 blocks

@@ -1,5 +1,5 @@
 """`moemerge finetune --train curvature,routers` on a merged-experts (CAMEx) model of the TINY
-toy experts, then `moemerge export`: the curvature folded into the experts keeps the outputs."""
+toy experts, then `moemerge bake`: the curvature folded into the experts keeps the outputs."""
 
 import pytest
 import torch
@@ -66,7 +66,7 @@ def test_curvature_finetune_lowers_loss_and_export_keeps_outputs(camex):
     for domain in routing.domains.values():
         assert all(sum(row) == pytest.approx(1.0) for row in domain.share)
 
-    export = CliRunner().invoke(app, ["export", str(root / "tuned"), str(root / "baked")])
+    export = CliRunner().invoke(app, ["bake", str(root / "tuned"), str(root / "baked")])
     assert export.exit_code == 0, export.output
     ids = torch.randint(0, 500, (2, 50), generator=torch.Generator().manual_seed(0))
     outputs = []

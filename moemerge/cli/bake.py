@@ -1,4 +1,5 @@
-"""`moemerge export`: bake a merged-experts model's curvature into its experts."""
+"""`moemerge bake`: fold a merged-experts model's curvature into its experts (`export`, its
+first name, still runs it)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ import typer
 from moemerge.cli.app import app, out, reports_errors
 
 
-@app.command()
 @reports_errors
-def export(
+def bake(
     model: Annotated[Path, typer.Argument(help="A merged_experts model with curvature (e.g. "
                                           "after `finetune --train curvature`).",
                                           show_default=False)],
@@ -22,11 +22,15 @@ def export(
 ) -> None:
     """Fold the curvature into the experts, E'_i = E_m + M_i τ_i, and write a model that
     computes the same outputs with no curvature matrices (config curvature: none)."""
-    from moemerge.assemble.bake import bake_curvature
+    from moemerge.finish.bake import bake_curvature
     from moemerge.io.atomic import sweep_output
     from moemerge.io.outputs import check_output
 
-    sweep_output(output)  # what a killed export left, even if this one fails
+    sweep_output(output)  # what a killed bake left, even if this one fails
     check_output(output, [("the input model", model)], force=force, directory=True)
     baked = bake_curvature(model, output, force=force)
-    out.print(f"[green]exported[/] {output}: curvature folded into {len(baked)} expert tensors")
+    out.print(f"[green]baked[/] {output}: curvature folded into {len(baked)} expert tensors")
+
+
+app.command("bake")(bake)
+app.command("export", hidden=True, help="The first name of `bake`.")(bake)

@@ -1,4 +1,5 @@
-"""Training text → fixed-length token blocks, one domain label per block, a held-out split.
+"""Text → fixed-length token blocks, one domain label per block, a held-out split (what
+`finetune` trains on and `router.init: calibrate` fits routers on).
 
 The `data` entries are read by moemerge.data (docs/data.md). Each domain's documents are
 tokenised without special tokens, joined with EOS, and cut into non-overlapping blocks of

@@ -18,8 +18,8 @@ import torch
 
 from moemerge.architectures.config import COPIED, dtype_name, rope_keys
 from moemerge.architectures.tables import DenseFamily, MoELayout, dense_families, moe_layouts
-from moemerge.assemble.extract.plan import DenseTensor, Extraction, resolve_tie
 from moemerge.errors import CheckpointError, MismatchError
+from moemerge.finish.extract.plan import DenseTensor, Extraction, resolve_tie
 from moemerge.io.reader import CheckpointReader
 
 PROJECTIONS = ("gate", "up", "down")

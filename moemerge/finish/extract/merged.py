@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from moemerge.architectures.config import dense_config
-from moemerge.assemble.extract.plan import DenseTensor, Extraction, config_dtype, resolve_tie
 from moemerge.errors import CheckpointError
+from moemerge.finish.extract.plan import DenseTensor, Extraction, config_dtype, resolve_tie
 from moemerge.io.reader import CheckpointReader
 from moemerge.modeling.configuration_moemerge import MoemergeMergedConfig
 from moemerge.modeling.modeling_merged_moemerge import PROJECTIONS, MergedExpertsMLP

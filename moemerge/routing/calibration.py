@@ -1,4 +1,6 @@
-"""The `calibration` block of a recipe -> routers set in closed form (`router.init: calibrate`).
+"""The `calibration` block of a recipe -> routers set in closed form (`router.init: calibrate`):
+the build's calibration stage, one call each for the text, the windows and targets, and the
+routers.
 
 The text is read by moemerge.data (the same forms as `finetune --data`, docs/data.md) and cut
 into windows of `seq_len` + 1 tokens, at most `max_tokens` tokens per domain (windows evenly
@@ -20,17 +22,10 @@ from moemerge.errors import RecipeError
 from moemerge.loading import load_pretrained
 from moemerge.plan.jobs import Plan
 from moemerge.plan.sources import SourceModel
+from moemerge.recipe.kinds import kind_of
 from moemerge.recipe.models import CalibrationSpec, CalibrationText
-from moemerge.routing.calibrate import (
-    Calibration,
-    calibrate_merged_routers,
-    calibrate_sequence_router,
-    calibrate_token_routers,
-    domain_targets,
-    loss_targets,
-    token_nll,
-)
-from moemerge.train.data import make_blocks
+from moemerge.routing.calibrate import Calibration, domain_targets, loss_targets, token_nll
+from moemerge.token_blocks import make_blocks
 
 
 def calibrates(recipe) -> bool:
@@ -103,14 +98,8 @@ def model_as_stored(path: Path):
 def calibrated_routers(recipe, plan: Plan, built: Path, cal: Calibration,
                        stats: dict | None = None) -> dict[str, torch.Tensor]:
     """{output tensor name: router} fitted on the model built at `built` (its routers are
-    placeholders). token_routed: `stats` receives each layer's fit statistics."""
+    placeholders) by the kind's calibrator; `stats` receives what it keeps of each fit."""
     model = model_as_stored(built)
-    assembly = getattr(recipe, "assembly", "token_routed")
-    if assembly in ("seq_routed", "bridged"):
-        by_layer = {None: calibrate_sequence_router(model, cal)}
-    elif assembly == "merged_experts":
-        by_layer = calibrate_merged_routers(model, cal)
-    else:
-        by_layer = calibrate_token_routers(model, cal, stats)
+    by_layer = kind_of(recipe).load("calibrator")(model, cal, stats)
     return {job.output: by_layer[job.layer] for job in plan.jobs
             if job.role == "router" and job.layer in by_layer}

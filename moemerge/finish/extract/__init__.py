@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moemerge.analysis.routing import expert_labels
-from moemerge.assemble.extract.choice import expert_index, one_hot, routing_weights
-from moemerge.assemble.extract.plan import Extraction, write_order
-from moemerge.assemble.extract.token_routed import expert_count, token_layout
-from moemerge.assemble.verify import FULL_LOAD_LIMIT, check_loads
 from moemerge.errors import CheckpointError, RecipeError
+from moemerge.finish.extract.choice import expert_index, one_hot, routing_weights
+from moemerge.finish.extract.plan import Extraction, write_order
+from moemerge.finish.extract.token_routed import expert_count, token_layout
+from moemerge.finish.verify import FULL_LOAD_LIMIT, check_loads
 from moemerge.io.atomic import SIDE_FILES, atomic_output_dir, copy_side_files
 from moemerge.io.reader import CheckpointReader, read_config
 from moemerge.io.writer import ShardedWriter, finite
@@ -68,9 +68,9 @@ def extract_expert(moe: Path, out: Path, *, expert: str | None = None,
 def _extraction(moe: Path, reader: CheckpointReader, config: dict, expert: str | None,
                 weights: str | None) -> tuple[str, Extraction, str]:
     """(kind, extraction, label) for the MoE's kind."""
-    from moemerge.assemble.extract.merged import extract_merged
-    from moemerge.assemble.extract.seq_routed import extract_seq_routed
-    from moemerge.assemble.extract.token_routed import extract_token_routed
+    from moemerge.finish.extract.merged import extract_merged
+    from moemerge.finish.extract.seq_routed import extract_seq_routed
+    from moemerge.finish.extract.token_routed import extract_token_routed
 
     layout = token_layout(config)
     if layout is not None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from moemerge.architectures.tables import MoELayout
-from moemerge.assemble.extract.plan import DenseTensor, write_order
-from moemerge.assemble.extract.token_routed import PROJECTIONS, expert_ffn, source_family
 from moemerge.errors import MismatchError
+from moemerge.finish.extract.plan import DenseTensor, write_order
+from moemerge.finish.extract.token_routed import PROJECTIONS, expert_ffn, source_family
 from moemerge.io.reader import CheckpointReader
 
 
@@ -62,7 +62,7 @@ def check_expert(moe: CheckpointReader, layout: MoELayout, config: dict,
 
 
 def _block_names(moe: CheckpointReader, layout: MoELayout, config: dict) -> set[str]:
-    from moemerge.assemble.extract.token_routed import moe_tensor_layer
+    from moemerge.finish.extract.token_routed import moe_tensor_layer
 
     in_block = moe_tensor_layer(layout)
     return {name for name in moe.names() if in_block(name) is not None}

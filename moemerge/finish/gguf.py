@@ -36,16 +36,6 @@ def check_outtype(outtype: str) -> None:
         raise RecipeError(f"--gguf: must be one of {', '.join(OUTTYPES)}, got {outtype!r}")
 
 
-def check_convertible(recipe) -> None:
-    """Only outputs of an architecture llama.cpp knows: the sequence-routed, bridged and
-    merged-experts kinds run moemerge's own modeling code."""
-    assembly = getattr(recipe, "assembly", "token_routed")
-    if assembly != "token_routed":
-        raise RecipeError(
-            f"--gguf: a {assembly} output runs moemerge's own modeling code, which llama.cpp does "
-            "not know; GGUF is written for dense merges, upcycles and token-routed MoEs only")
-
-
 # llama.cpp's LLAMA_MAX_EXPERTS (src/llama-hparams.h, the llama.cpp of llama-cpp-python 0.3.36):
 # a GGUF with more experts per layer fails its loader's assertion
 LLAMA_CPP_MAX_EXPERTS = 1024

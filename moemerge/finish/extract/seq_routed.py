@@ -9,8 +9,8 @@ embedding and head they are the source expert's own.
 from __future__ import annotations
 
 from moemerge.architectures.config import dense_config
-from moemerge.assemble.extract.plan import Extraction, config_dtype, resolve_tie
 from moemerge.errors import CheckpointError
+from moemerge.finish.extract.plan import Extraction, config_dtype, resolve_tie
 from moemerge.io.reader import CheckpointReader
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"

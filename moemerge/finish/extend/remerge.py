@@ -19,14 +19,15 @@ from pathlib import Path
 import torch
 import yaml
 
-from moemerge.assemble.extend.recipe import NewExpert, extended_recipe_text
-from moemerge.assemble.extract.plan import DenseTensor
 from moemerge.errors import CheckpointError
 from moemerge.execute import compute
+from moemerge.finish.extend.recipe import NewExpert, extended_recipe_text
+from moemerge.finish.extract.plan import DenseTensor
 from moemerge.io.atomic import RECIPE_COPY
 from moemerge.plan.jobs import Job, Source
-from moemerge.plan.recipe_plan import labelled_refs, make_plan
+from moemerge.plan.recipe_plan import make_plan
 from moemerge.plan.sources import SourceModel, open_sources
+from moemerge.recipe.kinds import labelled_refs
 from moemerge.recipe.load import parse_recipe
 
 

@@ -8,6 +8,7 @@ import yaml
 
 from moemerge import __version__
 from moemerge.plan.jobs import Plan
+from moemerge.recipe.kinds import kind_of
 from moemerge.recipe.merged import MergedExpertsRecipe
 from moemerge.recipe.models import MergeRecipe, MoERecipe
 from moemerge.recipe.sequence import BridgedRecipe, SeqRoutedRecipe
@@ -17,14 +18,20 @@ USAGE = ("Load it with `AutoModelForCausalLM.from_pretrained(path, trust_remote_
          "the modeling code (`*_moemerge.py`) is next to the weights.")
 
 
-def _sequence_card(recipe: SeqRoutedRecipe | BridgedRecipe, plan: Plan):
+def seq_routed_card(recipe: SeqRoutedRecipe, plan: Plan):
+    return _sequence_card(recipe, plan,
+                          "sequence-routed Mixture-of-Experts with separate attention")
+
+
+def bridged_card(recipe: BridgedRecipe, plan: Plan):
+    return _sequence_card(recipe, plan, "projector-bridged heterogeneous Mixture-of-Experts")
+
+
+def _sequence_card(recipe: SeqRoutedRecipe | BridgedRecipe, plan: Plan, kind: str):
     config = plan.config
     widths = [e["hidden_size"] for e in config["experts"]]
     bases = [*([recipe.base_model.model] if getattr(recipe, "base_model", None) else []),
              *(e.model for e in recipe.experts)]
-    kind = ("sequence-routed Mixture-of-Experts with separate attention"
-            if recipe.assembly == "seq_routed" else
-            "projector-bridged heterogeneous Mixture-of-Experts")
     what = (f"a {kind} with {len(recipe.experts)} experts, {recipe.experts_per_sequence} per "
             f"sequence, routed by `{recipe.router.kind}` routing, mixing `{recipe.mix}`")
     details = [
@@ -38,7 +45,7 @@ def _sequence_card(recipe: SeqRoutedRecipe | BridgedRecipe, plan: Plan):
     return bases, what, details
 
 
-def _merged_card(recipe: MergedExpertsRecipe):
+def merged_experts_card(recipe: MergedExpertsRecipe, plan: Plan):
     bases = [recipe.base_model.model, *(e.model for e in recipe.experts)]
     curvature = (f"Kronecker curvature of rank {recipe.curvature.rank}"
                  if recipe.curvature.kind == "kronecker" else "no curvature (SMEAR / Lory)")
@@ -52,7 +59,7 @@ def _merged_card(recipe: MergedExpertsRecipe):
     return bases, what, details
 
 
-def _upcycle_card(recipe: UpcycleRecipe, plan: Plan):
+def upcycle_card(recipe: UpcycleRecipe, plan: Plan):
     what = (f"a token-routed Mixture-of-Experts ({plan.config['architectures'][0]}) upcycled "
             f"from the dense `{recipe.model.model}`: {recipe.experts} copies of its FFN, each "
             f"split into {recipe.granularity} slices ({recipe.num_experts} experts, "
@@ -62,47 +69,51 @@ def _upcycle_card(recipe: UpcycleRecipe, plan: Plan):
     return [recipe.model.model], what, details
 
 
+def token_routed_card(recipe: MoERecipe, plan: Plan):
+    bases = [recipe.base_model.model, *(e.model for e in recipe.experts)]
+    experts = [(e.name or "", e.model) for e in recipe.experts]
+    if recipe.include_base_expert:
+        experts.append(("base", recipe.base_model.model))
+    what = (
+        f"a token-routed Mixture-of-Experts ({plan.config['architectures'][0]}) with "
+        f"{len(experts)} experts, {recipe.experts_per_token} per token, built from dense "
+        f"experts branched from `{recipe.base_model.model}`"
+    )
+    details = [
+        "| expert | name | FFN from |", "|---|---|---|",
+        *(f"| {i} | {name} | `{model}` |" for i, (name, model) in enumerate(experts)),
+        "",
+        f"Non-FFN tensors merged with `{recipe.merge.method}`; router init "
+        f"`{recipe.router.init}`"
+        + (f"; shared expert `{recipe.shared_expert}`." if "shared_expert_intermediate_size"
+           in plan.config else "."),
+        *(f"\n**Note:** {note}" for note in plan.notes),
+    ]
+    return bases, what, details
+
+
+def merge_card(recipe: MergeRecipe, plan: Plan):
+    refs = ([recipe.base_model] if recipe.base_model else []) + recipe.inputs
+    bases = [m.model for m in refs]
+    what = f"a dense `{recipe.merge.method}` merge of {len(recipe.inputs)} models"
+    details = ["| model | weight |", "|---|---|",
+               *(f"| {m.model} | {_setting_text(m.weight)} |" for m in recipe.models)]
+    if recipe.slices:
+        what += f", {len(recipe.slices)} slices of their layers stacked"
+        details = ["| slice | sources (layers [start, end)) |", "|---|---|",
+                   *(f"| {i} | " + ", ".join(f"{s.model} {list(s.layers)}" for s in sl.sources)
+                     + " |" for i, sl in enumerate(recipe.slices))]
+    return bases, what, details
+
+
 def model_card(recipe, plan: Plan, recipe_text: str) -> str:
-    if isinstance(recipe, UpcycleRecipe):
-        bases, what, details = _upcycle_card(recipe, plan)
-    elif isinstance(recipe, SeqRoutedRecipe | BridgedRecipe):
-        bases, what, details = _sequence_card(recipe, plan)
-    elif isinstance(recipe, MergedExpertsRecipe):
-        bases, what, details = _merged_card(recipe)
-    elif isinstance(recipe, MoERecipe):
-        bases = [recipe.base_model.model, *(e.model for e in recipe.experts)]
-        experts = [(e.name or "", e.model) for e in recipe.experts]
-        if recipe.include_base_expert:
-            experts.append(("base", recipe.base_model.model))
-        what = (
-            f"a token-routed Mixture-of-Experts ({plan.config['architectures'][0]}) with "
-            f"{len(experts)} experts, {recipe.experts_per_token} per token, built from dense "
-            f"experts branched from `{recipe.base_model.model}`"
-        )
-        details = [
-            "| expert | name | FFN from |", "|---|---|---|",
-            *(f"| {i} | {name} | `{model}` |" for i, (name, model) in enumerate(experts)),
-            "",
-            f"Non-FFN tensors merged with `{recipe.merge.method}`; router init "
-            f"`{recipe.router.init}`"
-            + (f"; shared expert `{recipe.shared_expert}`." if "shared_expert_intermediate_size"
-               in plan.config else "."),
-            *(f"\n**Note:** {note}" for note in plan.notes),
-        ]
-    else:
-        refs = ([recipe.base_model] if recipe.base_model else []) + recipe.inputs
-        bases = [m.model for m in refs]
-        what = f"a dense `{recipe.merge.method}` merge of {len(recipe.inputs)} models"
-        details = ["| model | weight |", "|---|---|",
-                   *(f"| {m.model} | {_setting_text(m.weight)} |" for m in recipe.models)]
-        if recipe.slices:
-            what += f", {len(recipe.slices)} slices of their layers stacked"
-            details = ["| slice | sources (layers [start, end)) |", "|---|---|",
-                       *(f"| {i} | " + ", ".join(f"{s.model} {list(s.layers)}" for s in sl.sources)
-                         + " |" for i, sl in enumerate(recipe.slices))]
+    """The card of any kind: its entry's `card` says what the model is (bases, one sentence,
+    detail lines); the front matter, sizes and the recipe are the same for all."""
+    kind = kind_of(recipe)
+    bases, what, details = kind.load("card")(recipe, plan)
     front = yaml.safe_dump(
         {"base_model": list(dict.fromkeys(bases)), "library_name": "transformers",
-         "tags": ["moemerge", "merge", *([] if isinstance(recipe, MergeRecipe) else ["moe"])]},
+         "tags": ["moemerge", "merge", *(["moe"] if kind.moe else [])]},
         sort_keys=False,
     )
     size = sum(j.nbytes for j in plan.jobs) / 2**20

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from moemerge.assemble.remote_code import copy_modeling_code
 from moemerge.errors import CheckpointError
+from moemerge.finish.remote_code import copy_modeling_code
 from moemerge.io.atomic import RECIPE_COPY, SIDE_FILES, atomic_output_dir, copy_side_files
 from moemerge.io.reader import CheckpointReader, read_config
 from moemerge.io.writer import ShardedWriter, finite

@@ -1,0 +1,110 @@
+"""The table of recipe kinds: what `build` does for each, looked up instead of tested for.
+
+A kind is a recipe's `kind:` with, for `kind: moe`, its `assembly:` (the MoE layout): `merge`,
+`token_routed`, `seq_routed`, `bridged`, `merged_experts`, `upcycle` and `shrink`. Each entry
+names the recipe class, which recipe field lists the inputs, which input gives the tokenizer,
+and the functions of the later stages as "module:attribute" targets under `moemerge` (this
+module sits in the recipe layer, below them, as the merge registry does): the planner, the
+router maker and the router calibrator, the model card's description, and the whole-build
+runner of a kind that has no plan. Adding a kind: its recipe class, its planner, one entry
+here, its modeling code if it has its own, tests and docs (docs/design.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Union
+
+from moemerge.merge.registry import load_target
+from moemerge.recipe.merged import MergedExpertsRecipe
+from moemerge.recipe.models import MergeRecipe, MoERecipe
+from moemerge.recipe.sequence import BridgedRecipe, SeqRoutedRecipe
+from moemerge.recipe.shrink import ShrinkRecipe
+from moemerge.recipe.upcycle import UpcycleRecipe
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str  # the table's key: `kind:`, or for `kind: moe` its `assembly:`
+    tag: str  # the recipe union's tag: `kind:`, or `moe:<assembly>` past the default assembly
+    recipe: type
+    summary: str  # what the output is, for `--help`, errors and docs
+    inputs: str  # the recipe field listing the merged or routed models
+    planner: str | None  # "module:function"(recipe, models) -> Plan
+    card: str | None  # "module:function"(recipe, plan) -> (base models, what it is, details)
+    router: str | None = None  # "module:Class"(recipe, models); .make(job, load) -> router
+    calibrator: str | None = None  # "module:function"(model, calibration, stats) -> {layer: W}
+    # (`router.init: calibrate`: fitted on the built model; stats: what `extend` refits from)
+    runner: str | None = None  # a kind with no plan: "module:function" doing the whole build
+    moe: bool = True  # the output is a Mixture-of-Experts (the card's tags)
+    tunable: bool = False  # `--tune-on` can tune its merge (a merge of dense tensors)
+    gguf: bool = False  # llama.cpp knows its output (`build --gguf`)
+    remote_code: bool = False  # the output runs moemerge's shipped modeling code
+    uniform: bool = True  # the inputs share one family, shape and vocabulary (checked on open)
+    tokenizer: Callable[[object], int] = lambda recipe: 0  # the input the tokenizer comes from
+
+    def load(self, stage: str) -> Callable:
+        """The function or class of `stage` ("planner", "router", ...)."""
+        target = getattr(self, stage)
+        if target is None:
+            raise LookupError(f"kind {self.name} has no {stage}")
+        return load_target(f"moemerge.{target}")
+
+
+KINDS = (
+    Kind("merge", "merge", MergeRecipe, "one dense model merged from several", "inputs",
+         "plan.build:plan_merge", "finish.card:merge_card", moe=False, tunable=True, gguf=True),
+    Kind("token_routed", "moe", MoERecipe,
+         "a token-routed MoE (Mixtral / Qwen-MoE layout) from dense experts", "experts",
+         "plan.build:plan_token_routed", "finish.card:token_routed_card",
+         router="routing.routers:TokenRouters",
+         calibrator="routing.calibrate:calibrate_token_routers", tunable=True, gguf=True),
+    Kind("seq_routed", "moe:seq_routed", SeqRoutedRecipe,
+         "a sequence-routed MoE: whole expert models, one router per sequence", "experts",
+         "plan.sequence:plan_seq_routed", "finish.card:seq_routed_card",
+         router="routing.routers:SequenceRouters",
+         calibrator="routing.calibrate:calibrate_sequence_routers", remote_code=True),
+    Kind("bridged", "moe:bridged", BridgedRecipe,
+         "a sequence-routed MoE of experts of other sizes, bridged by projectors", "experts",
+         "plan.sequence:plan_bridged", "finish.card:bridged_card",
+         router="routing.routers:SequenceRouters",
+         calibrator="routing.calibrate:calibrate_sequence_routers", remote_code=True,
+         uniform=False, tokenizer=lambda recipe: recipe.tokenizer_index),
+    Kind("merged_experts", "moe:merged_experts", MergedExpertsRecipe,
+         "a merged-experts MoE (CAMEx / SMEAR): experts merged per segment by its router",
+         "experts", "plan.merged:plan_merged_experts", "finish.card:merged_experts_card",
+         calibrator="routing.calibrate:calibrate_merged_routers", remote_code=True),
+    Kind("upcycle", "upcycle", UpcycleRecipe,
+         "a token-routed MoE whose experts are copies of one dense model's FFN", "inputs",
+         "plan.upcycle:plan_upcycle", "finish.card:upcycle_card",
+         router="routing.routers:UpcycleRouters", gguf=True),
+    Kind("shrink", "shrink", ShrinkRecipe, "an MoE with fewer experts per layer", "inputs",
+         None, None, runner="shrink:shrink"),
+)
+BY_TAG = {kind.tag: kind for kind in KINDS}
+AnyRecipe = Union[tuple(kind.recipe for kind in KINDS)]  # noqa: UP007 - a union made at run time
+DEFAULT_ASSEMBLY = BY_TAG["moe"].name  # `kind: moe` without `assembly:`
+ASSEMBLIES = tuple(k.recipe.model_fields["assembly"].annotation.__args__[0]
+                   for k in KINDS if "assembly" in k.recipe.model_fields)
+
+
+def kind_of(recipe) -> Kind:
+    """The entry of a parsed recipe."""
+    return next(kind for kind in KINDS if type(recipe) is kind.recipe)
+
+
+def labelled_refs(recipe) -> list[tuple[str, object]]:
+    """(label, model reference) of every model the recipe reads, in plan order: the base, the
+    reference, then the inputs or experts (a repeated label gets `#index`)."""
+    refs = []
+    if getattr(recipe, "base_model", None) is not None:
+        refs.append(("base", recipe.base_model))
+    if getattr(recipe, "reference", None) is not None:
+        refs.append(("reference", recipe.reference))
+    for ref in getattr(recipe, kind_of(recipe).inputs):
+        label = getattr(ref, "name", None) or Path(ref.model.rstrip("/")).name
+        taken = {lab for lab, _ in refs}
+        refs.append((label if label not in taken else f"{label}#{len(refs)}", ref))
+    return refs
