@@ -125,4 +125,6 @@ class Plan:
                                                           job.parts[0]) + ", …]")
         else:
             how = job.kind
+        if job.router_init == "calibrate":
+            how += " (a placeholder here: fitted on the written model)"
         return how

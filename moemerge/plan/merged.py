@@ -71,7 +71,7 @@ def _ffn_jobs(recipe: MergedExpertsRecipe, name: str, part: str, rows: tuple[int
                  (Source(m, name, rows),)) for i, m in enumerate(experts)]
     if part == "gate":  # once per layer
         jobs.append(Job(f"{mlp}.router.weight", (len(experts), hidden), dtype, "random",
-                        "router", layer, std=std))
+                        "router", layer, router_init=recipe.router.init, std=std))
     if recipe.curvature.kind == "kronecker":
         jobs += _curvature_jobs(f"{mlp}.curvature.{proj}", shape, len(experts),
                                 recipe.curvature.rank, layer)

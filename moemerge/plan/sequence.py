@@ -49,8 +49,9 @@ def _router_job(recipe, experts: list[int], models: list[SourceModel], width: in
     """router.weight [N, d_m]; the prompts init reads the experts' embeddings."""
     prompts = recipe.router.kind == "learned" and recipe.router.init == "prompts"
     sources = tuple(source(m, role_tensor(models[m], "embed")) for m in experts) if prompts else ()
+    init = "prompts" if prompts else "calibrate" if recipe.router.init == "calibrate" else "random"
     return Job("router.weight", (len(experts), width), dtype, "router", "router", None, sources,
-               router_init="prompts" if prompts else "random")
+               router_init=init)
 
 
 def _settings(recipe) -> dict:

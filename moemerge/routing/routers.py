@@ -79,7 +79,7 @@ class SequenceRouters:
         self.std = recipe.router.std or source.config.get("initializer_range", 0.02)
 
     def make(self, job: Job, load: Load) -> torch.Tensor:
-        if job.router_init == "random":
+        if job.router_init in ("random", "calibrate"):  # calibrate: a placeholder until fitted
             return random_router(job.shape, self.std, self.recipe.seed, job.output)
         width = job.shape[1]
         embeds = [load(s).float() for s in job.sources]  # [V, d_i] each
