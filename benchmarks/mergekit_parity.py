@@ -121,37 +121,59 @@ def exact_rows(root, bin_dir, model_sets) -> list[dict]:
     return rows
 
 
-def moe_row(root: Path, bin_dir: Path, models) -> dict:
-    """mergekit-moe (random gates) against the recipe `import-mergekit` makes of its config:
-    every parameter but the routers, compared as loaded by transformers (the two tools write
-    different tensor names for the same model)."""
+PROMPTS = [  # expert i's positive prompts (and negative ones for the second), varied lengths
+    ["def main(argv):\n    return 0", "for item in items:", "import os"],
+    ["Once upon a time", "The river ran past the old mill and into the town."],
+    ["2 + 2 = 4", "the integral of x is x squared over two"],
+]
+NEGATIVE = {1: ["def helper():"]}
+
+
+def moe_rows(root: Path, bin_dir: Path, models) -> list[dict]:
+    """mergekit-moe against the recipe `import-mergekit` makes of its config, per gate mode:
+    random (every parameter but the routers: the draws differ), hidden, hidden_avg and
+    cheap_embed (every parameter, the routers too), compared as loaded by transformers (the
+    two tools write different tensor names for the same model)."""
+    return [moe_row(root, bin_dir, models, gate)
+            for gate in ("random", "hidden", "hidden_avg", "cheap_embed")]
+
+
+def moe_row(root: Path, bin_dir: Path, models, gate: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from moemerge.recipe.mergekit import convert, render
 
-    config = yaml.safe_dump({"base_model": str(models[0]), "gate_mode": "random",
+    config = yaml.safe_dump({"base_model": str(models[0]), "gate_mode": gate,
                              "dtype": "float32", "experts": [
-        {"source_model": str(m), "positive_prompts": [f"prompt {i}"]}
+        {"source_model": str(m), "positive_prompts": PROMPTS[i],
+         **({"negative_prompts": NEGATIVE[i]} if i in NEGATIVE else {})}
         for i, m in enumerate(models[1:])]})
-    (root / "moe.mergekit.yaml").write_text(config)
-    subprocess.run([str(bin_dir / "mergekit-moe"), str(root / "moe.mergekit.yaml"),
-                    str(root / "moe.mergekit"), "--random-seed", "0", "--quiet",
-                    "--i-understand-this-is-not-useful-without-training"], check=True,
-                   capture_output=True)
-    recipe = root / "moe.moemerge.yaml"
-    recipe.write_text(render(convert(yaml.safe_load(config)), "moe.mergekit.yaml"))
-    build(recipe, root / "moe.moemerge", progress=False, force=True, verify="structure")
-    states = [AutoModelForCausalLM.from_pretrained(root / f"moe.{tool}",
+    name = f"moe-{gate}"
+    (root / f"{name}.mergekit.yaml").write_text(config)
+    subprocess.run([str(bin_dir / "mergekit-moe"), str(root / f"{name}.mergekit.yaml"),
+                    str(root / f"{name}.mergekit"), "--random-seed", "0", "--quiet",
+                    "--device", "cpu", "--i-understand-this-is-not-useful-without-training"],
+                   check=True, capture_output=True)
+    recipe = root / f"{name}.moemerge.yaml"
+    recipe.write_text(render(convert(yaml.safe_load(config)), f"{name}.mergekit.yaml"))
+    build(recipe, root / f"{name}.moemerge", progress=False, force=True, verify="structure")
+    states = [AutoModelForCausalLM.from_pretrained(root / f"{name}.{tool}",
                                                    dtype=torch.float32).state_dict()
               for tool in ("mergekit", "moemerge")]
     routers = {k for k in states[0] if k.endswith("mlp.gate.weight")}
     assert states[0].keys() == states[1].keys() and routers
     delta = max((states[0][k] - states[1][k]).abs().max().item()
                 for k in states[0] if k not in routers)
-    print(f"mergekit-moe (random gates)  {delta:.3g}", flush=True)
-    return {"method": "mergekit-moe, 3 experts (all but the routers)", "mergekit": "mergekit-moe",
-            "options": "the recipe import-mergekit writes (merge: base)",
-            "max_abs_delta": delta}
+    router_delta = max((states[0][k] - states[1][k]).abs().max().item() for k in routers)
+    print(f"mergekit-moe ({gate} gates)  {delta:.3g}, routers {router_delta:.3g}", flush=True)
+    init = convert(yaml.safe_load(config)).recipe["router"]["init"]
+    if gate == "random":
+        return {"method": "mergekit-moe, 3 experts, random gates (all but the routers)",
+                "mergekit": "mergekit-moe", "options": "the recipe import-mergekit writes "
+                "(merge: base, router.init random, std 1)", "max_abs_delta": delta}
+    return {"method": f"mergekit-moe, 3 experts, gate_mode {gate} (routers included)",
+            "mergekit": "mergekit-moe", "options": f"the recipe import-mergekit writes "
+            f"(merge: base, router.init {init})", "max_abs_delta": max(delta, router_delta)}
 
 
 def statistics(out: dict, base: dict, tuned: dict) -> dict:
@@ -235,7 +257,7 @@ def main() -> None:
         meta = {"provenance": provenance(), "mergekit": version, "hidden": opts.hidden,
                 "layers": opts.layers, "params": params}
         exact = exact_rows(root, bin_dir, model_sets)
-        exact.append(moe_row(root, bin_dir, models))
+        exact += moe_rows(root, bin_dir, models)
         randoms = random_rows(root, bin_dir, models)
     report(meta, exact, randoms)
 

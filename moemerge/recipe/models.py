@@ -137,8 +137,18 @@ def calibration_problem(calibrates: bool, calibration: CalibrationSpec | None,
     return None
 
 
+# router inits that read every expert's positive_prompts
+PROMPTED = ("prompts", "cheap_embed", "mergekit_hidden", "mergekit_hidden_avg",
+            "mergekit_cheap_embed")
+
+
 class RouterSpec(Strict):
-    init: Literal["random", "prompts", "cheap_embed", "task_vector", "calibrate"] = "random"
+    init: Literal["random", "prompts", "cheap_embed", "task_vector", "calibrate",
+                  "mergekit_hidden", "mergekit_hidden_avg", "mergekit_cheap_embed"] = Field(
+        default="random", description="random; prompts / cheap_embed: the experts' prompts' "
+        "mean router input / embedding, centred across experts; task_vector; calibrate "
+        "(docs/routing.md); mergekit_hidden, mergekit_hidden_avg, mergekit_cheap_embed: "
+        "mergekit-moe's gate modes, computed as it does (docs/mergekit.md).")
     std: float | None = Field(default=None, gt=0.0, description="Std of random init.")
     max_prompt_tokens: int = Field(default=512, gt=0)
 
@@ -258,7 +268,7 @@ class MoERecipe(_RecipeBase):
                 "merge.overrides: role 'ffn' cannot be merged in kind: moe (each expert's FFN "
                 "becomes an MoE expert); remove it"
             )
-        if self.router.init in ("prompts", "cheap_embed"):
+        if self.router.init in PROMPTED:
             missing = [e.name or e.model for e in self.experts if not e.positive_prompts]
             if missing:
                 raise ValueError(

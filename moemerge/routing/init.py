@@ -13,6 +13,8 @@ The gate sees the layer's post-attention-normed hidden state h [H]; expert e's l
                (E_e − E_base), centred across experts and scaled to unit norm: w_e · h is the
                average shift in gate pre-activation that expert e applies to h, so h goes to the
                experts whose fine-tuning opened more gates for it. Needs no prompts.
+- mergekit_hidden, mergekit_hidden_avg, mergekit_cheap_embed: mergekit-moe's gate modes as
+               it computes them (routing/prompts.mergekit_gate_rows), for imported configs.
 Rows of prompts / cheap_embed / task_vector are unit vectors. With include_base_expert the base
 expert's prompts row is zero (logit 0) and its task_vector row, τ = 0 centred, is minus the mean
 of the others: it wins where no fine-tuned expert opened gates.

@@ -1,9 +1,11 @@
-"""Mean hidden states of prompts, for the `prompts` and `cheap_embed` router inits.
+"""Mean hidden states of prompts, for the `prompts` and `cheap_embed` router inits, and
+mergekit-moe's gates (`mergekit_hidden`, `mergekit_hidden_avg`, `mergekit_cheap_embed`).
 
-Both need the base model's tokenizer; `prompts` also runs the base model (loaded once, in fp32,
+All need the base model's tokenizer; `prompts` also runs the base model (loaded once, in fp32,
 with transformers) and records each layer's router input: the input of its FFN module (the
 architecture table's `ffn_module`: after post_attention_layernorm in Llama, the residual stream
-itself in OLMo 2).
+itself in OLMo 2). mergekit's gates are computed as mergekit-moe 0.1.5 computes them
+(mergekit/moe/router.py), for a config imported from it: see `mergekit_gate_rows`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from moemerge.errors import CheckpointError
 from moemerge.loading import load_pretrained
@@ -124,3 +127,60 @@ def _stack_layers(positive, negative, include_base: bool) -> torch.Tensor:
             rows = torch.cat([rows, torch.zeros(1, hidden)])
         per_layer.append(rows)
     return torch.stack(per_layer)
+
+
+MERGEKIT_GATES = ("mergekit_hidden", "mergekit_hidden_avg", "mergekit_cheap_embed")
+
+
+def mergekit_gate_rows(base_dir: Path, experts: list[ExpertRef], init: str, *, layers: int,
+                       embed: torch.Tensor | None = None) -> torch.Tensor:
+    """mergekit-moe's gate rows [L, E, H] for gate_mode hidden (`mergekit_hidden`),
+    hidden_avg and cheap_embed: each prompt is the tokenizer's BOS text + the prompt, the
+    prompts of an expert one left-padded batch (pad = BOS, else EOS). hidden: the base model in
+    bfloat16, layer l's row the residual stream entering decoder layer l (hidden_states[l]) at
+    the last position (hidden_avg: the sum over the padded positions / their count), averaged
+    over the prompts. cheap_embed: the sum over the prompts' tokens of `embed` [V, H] in float32,
+    as a unit vector, the same in every layer. Negative prompts' vectors are subtracted, then
+    each layer's row made a unit vector; not centred across experts."""
+    tokenizer = _load_tokenizer(base_dir)
+    tokenizer.padding_side = "left"
+    tokenizer.pad_token_id = tokenizer.bos_token_id
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if init == "mergekit_cheap_embed":
+        assert embed is not None
+
+        def vectors(tokens) -> torch.Tensor:  # [L, H]
+            h = F.one_hot(tokens["input_ids"], num_classes=embed.shape[0]).float() @ embed.float()
+            summed = (h * tokens["attention_mask"].unsqueeze(-1)).sum(dim=1).sum(dim=0)
+            return (summed / summed.norm().clamp(min=1e-8)).repeat(layers, 1)
+    else:
+        try:
+            model = load_pretrained("AutoModelForCausalLM", base_dir, dtype=torch.bfloat16)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"router init {init} runs the base model, but it does not "
+                                  f"load from {base_dir}: {exc}") from None
+        model.eval()
+
+        def vectors(tokens) -> torch.Tensor:  # [L, H], bfloat16 as mergekit's
+            with torch.no_grad():
+                states = torch.stack(model(**tokens, output_hidden_states=True,
+                                           return_dict=True).hidden_states[:-1])  # [L, B, T, H]
+            if init == "mergekit_hidden_avg":
+                states = states.sum(dim=2) / states.shape[2]
+            else:
+                states = states[:, :, -1, :]
+            return states.sum(dim=1) / states.shape[1]
+
+    def tokenized(prompts: list[str]):
+        return tokenizer([(tokenizer.bos_token or "") + p for p in prompts],
+                         return_tensors="pt", padding=True, add_special_tokens=False)
+
+    rows = []
+    for expert in experts:
+        row = vectors(tokenized(expert.positive_prompts))
+        if expert.negative_prompts:
+            row = row - vectors(tokenized(expert.negative_prompts))
+        rows.append(row / row.norm(p=2, dim=-1, keepdim=True).clamp(min=1e-8))
+    return torch.stack(rows).permute(1, 0, 2)  # [L, E, H]
+

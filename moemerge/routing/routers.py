@@ -17,7 +17,12 @@ from moemerge.plan.sources import SourceModel
 from moemerge.recipe.kinds import kind_of
 from moemerge.recipe.models import MoERecipe
 from moemerge.routing.init import random_router, task_vector_router
-from moemerge.routing.prompts import embed_router_rows, prompt_router_rows
+from moemerge.routing.prompts import (
+    MERGEKIT_GATES,
+    embed_router_rows,
+    mergekit_gate_rows,
+    prompt_router_rows,
+)
 
 Load = Callable[[Source], torch.Tensor]
 
@@ -40,6 +45,13 @@ class TokenRouters:
         elif init == "cheap_embed":
             embed, norms = _embed_and_norms(base)
             self._rows = embed_router_rows(base.path, recipe.experts, embed, norms, **kwargs)
+        elif init in MERGEKIT_GATES:  # as mergekit-moe computes them (an imported config)
+            embed = _embed_and_norms(base)[0] if init == "mergekit_cheap_embed" else None
+            rows = mergekit_gate_rows(base.path, recipe.experts, init, embed=embed,
+                                      layers=base.config["num_hidden_layers"])
+            if recipe.include_base_expert:  # the base expert's row is 0, as in `prompts`
+                rows = torch.cat([rows, rows.new_zeros(rows.shape[0], 1, rows.shape[2])], dim=1)
+            self._rows = rows
 
     def make(self, job: Job, load: Load) -> torch.Tensor:
         init = self.recipe.router.init

@@ -187,10 +187,14 @@ def test_ties_takes_mergekits_sorted_cut_and_the_given_normalize():
 def test_moe_maps_gate_mode_and_copies_the_base():
     r = imported(MOE).recipe
     assert (r["kind"], r["merge"], r["router"]) == ("moe", {"method": "base"},
-                                                    {"init": "prompts"})
+                                                    {"init": "mergekit_hidden"})
     assert r["experts"][1]["negative_prompts"] == ["story"]
     random = imported(MOE.replace("gate_mode: hidden", "gate_mode: random"))
     assert random.recipe["router"] == {"init": "random", "std": 1.0}
+    for mode, init in (("hidden_last", "mergekit_hidden"), ("hidden_avg", "mergekit_hidden_avg"),
+                       ("cheap_embed", "mergekit_cheap_embed")):
+        gated = imported(MOE.replace("gate_mode: hidden", f"gate_mode: {mode}"))
+        assert gated.recipe["router"] == {"init": init}, mode
 
 
 def test_karcher_drops_weights_mergekit_ignores():

@@ -10,8 +10,10 @@ from moemerge.recipe.mergekit.params import model_ref
 
 KEYS = {"base_model", "experts", "gate_mode", "dtype", "experts_per_token", "shared_experts",
         "architecture", "tokenizer", "tokenizer_source", "name"}
-GATES = {"hidden": "prompts", "hidden_avg": "prompts", "hidden_last": "prompts",
-         "cheap_embed": "cheap_embed", "random": "random"}
+# mergekit-moe's gate modes as moemerge router inits that compute them as mergekit does
+GATES = {"hidden": "mergekit_hidden", "hidden_last": "mergekit_hidden",
+         "hidden_avg": "mergekit_hidden_avg", "cheap_embed": "mergekit_cheap_embed",
+         "random": "random"}
 ARCHITECTURES = (None, "mixtral", "qwen")
 
 
@@ -44,9 +46,11 @@ def convert_moe(data: dict, notes: list[str]) -> dict:
                      "(moemerge's default, the model's initializer_range, routes near-uniformly "
                      "instead of saturating); the draws differ")
     if gate != "random":
-        notes.append(f"router.init {GATES[gate]}: moemerge computes the gate rows from the same "
-                     "prompts its own way (centred across experts, unit rows; docs/recipes.md), "
-                     f"not with mergekit-moe's {gate} formula: the routers are not bitwise equal")
+        own = "prompts" if gate.startswith("hidden") else "cheap_embed"
+        notes.append(f"router.init {GATES[gate]}: mergekit-moe's gate_mode {gate}, computed as "
+                     f"it computes it; moemerge's own init from the same prompts is {own} "
+                     "(the FFN's input over every token, centred across experts: "
+                     "docs/routing.md)")
     recipe: dict = {"kind": "moe", "assembly": "token_routed"}
     if data.get("name"):
         recipe["name"] = data["name"]
