@@ -11,6 +11,7 @@ looked up in its entry.
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -98,7 +99,8 @@ class BuildResult:
     verified: str  # "full", "structure" or "none"
     tuning: TuneResult | None = None  # with options.tune: every candidate and the chosen values
     estimate: Estimate | None = None  # peak memory and output size, known before any data
-    shrunk: object | None = None  # kind: shrink: what was kept (shrink.Shrunk; no plan jobs)
+    whole: object | None = None  # a kind with no plan: what its runner returned (shrink.Shrunk,
+    # stages.StagesBuilt); the plan has no jobs
     gguf: Path | None = None  # with options.gguf: the GGUF file written
 
 
@@ -297,19 +299,15 @@ class _Build:
         check_structure(dest, plan)
 
     def _run_whole(self, out: Path | None) -> BuildResult:
-        """A kind with no plan (`kind: shrink`): its runner does the whole build."""
-        options = self.options
-        if options.dry_run or out is None or options.tune is not None:
-            raise RecipeError(f"{self.source.name}: kind: {self.kind.name} reads its "
-                              "calibration text through the model to choose what to keep; it "
-                              "has no dry run and no --tune-on")
+        """A kind with no plan (`shrink`, `stages`): its runner does the whole build."""
+        if out is None:
+            raise RecipeError(f"{self.source.name}: kind: {self.kind.name} has no dry run; give "
+                              "an output directory")
         done = self._in_recipe(self.kind.load("runner"), self.recipe, out,
                                recipe_dir=self._near(), recipe_text=self.source.text,
-                               force=options.force, verify=options.verify != "structure",
-                               progress=self.progress)
-        return BuildResult(Plan([self.recipe.model.model], [], {}), out,
-                           "structure" if options.verify == "structure" else "full",
-                           shrunk=done)
+                               options=self.options, progress=self.progress, warn=self.warn)
+        verified = "structure" if self.options.verify == "structure" else "full"
+        return BuildResult(Plan([], [], {}), out, verified, whole=done)
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -345,4 +343,8 @@ class _Build:
 
 
 def _warn(message: str) -> None:
-    warnings.warn(message, stacklevel=3)
+    """warnings.warn, attributed to the first caller outside moemerge (the user's line)."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("moemerge."):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level)

@@ -108,10 +108,9 @@ def build(
                       f"memory: {human_bytes(result.estimate.peak_bytes)} above start-up "
                       f"(lookahead {max(lookahead, workers)})", highlight=False)
         return
-    if result.shrunk is not None:
-        done = result.shrunk
-        out.print(f"[green]shrunk[/] {escape(str(output))}: {done.kept} of {done.before} "
-                  f"experts per layer, {done.bytes / 2**20:.1f} MiB")
+    if result.whole is not None:  # a kind with no plan: its runner says what it made
+        out.print(f"[green]{result.whole.verb}[/] {escape(str(output))}: "
+                  f"{escape(result.whole.summary())}")
         return
     size = result.plan.total_bytes / 2**20
     out.print(

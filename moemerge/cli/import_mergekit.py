@@ -28,17 +28,17 @@ def import_mergekit(
     from moemerge.io.outputs import check_output, local_inputs, write_output_file
     from moemerge.io.paths import check_output_apart
     from moemerge.recipe.load import load_recipe_data
-    from moemerge.recipe.mergekit import convert, render
+    from moemerge.recipe.mergekit import convert_documents, render
 
     if output is not None:  # the config itself, before it is read
         check_output_apart(output, [("the mergekit config", config)])
-    data = load_recipe_data(config)
+    data = load_recipe_data(config, documents=True)  # several: mergekit-multi
     # the models it names are inputs of the recipe written: never replaced by it either
     inputs = [("the mergekit config", config),
               *local_inputs("a model the config names", _models(data), near=[config.parent])]
     if output is not None:
         check_output(output, inputs, force=force, option="--output")
-    imported = convert(data, str(config))
+    imported = convert_documents(data, str(config))
     text = render(imported, config.name)
     if output is None:
         out.print(text, end="", highlight=False, markup=False, soft_wrap=True)

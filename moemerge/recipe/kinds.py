@@ -22,6 +22,7 @@ from moemerge.recipe.merged import MergedExpertsRecipe
 from moemerge.recipe.models import MergeRecipe, MoERecipe
 from moemerge.recipe.sequence import BridgedRecipe, SeqRoutedRecipe
 from moemerge.recipe.shrink import ShrinkRecipe
+from moemerge.recipe.stages import StagesRecipe
 from moemerge.recipe.upcycle import UpcycleRecipe
 
 
@@ -37,7 +38,9 @@ class Kind:
     router: str | None = None  # "module:Class"(recipe, models); .make(job, load) -> router
     calibrator: str | None = None  # "module:function"(model, calibration, stats) -> {layer: W}
     # (`router.init: calibrate`: fitted on the built model; stats: what `extend` refits from)
-    runner: str | None = None  # a kind with no plan: "module:function" doing the whole build
+    # a kind with no plan: "module:function"(recipe, out, *, recipe_dir, recipe_text, options,
+    # progress, warn) doing the whole build
+    runner: str | None = None
     moe: bool = True  # the output is a Mixture-of-Experts (the card's tags)
     tunable: bool = False  # `--tune-on` can tune its merge (a merge of dense tensors)
     gguf: bool = False  # llama.cpp knows its output (`build --gguf`)
@@ -81,7 +84,10 @@ KINDS = (
          "plan.upcycle:plan_upcycle", "finish.card:upcycle_card",
          router="routing.routers:UpcycleRouters", gguf=True),
     Kind("shrink", "shrink", ShrinkRecipe, "an MoE with fewer experts per layer", "inputs",
-         None, None, runner="shrink:shrink"),
+         None, None, runner="shrink:run"),
+    Kind("stages", "stages", StagesRecipe, "several recipes built in order, later ones reading "
+         "earlier outputs (mergekit-multi)", "inputs", None, None, runner="stages:build_stages",
+         moe=False),
 )
 BY_TAG = {kind.tag: kind for kind in KINDS}
 AnyRecipe = Union[tuple(kind.recipe for kind in KINDS)]  # noqa: UP007 - a union made at run time

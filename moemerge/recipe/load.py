@@ -64,34 +64,42 @@ def short(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
-def safe_yaml(text: str, source: str) -> object:
-    """yaml.safe_load with the alias budget and a clean error for anything malformed."""
+def safe_yaml(text: str, source: str, *, documents: bool = False) -> object:
+    """yaml.safe_load with the alias budget and a clean error for anything malformed; with
+    `documents`, the list of every document (a mergekit-multi config), each within the budget."""
     loader = yaml.SafeLoader(text)
     try:
+        if documents:
+            found = []
+            while loader.check_node():
+                found.append(_checked(loader, loader.get_node(), source))
+            return found
         node = loader.get_single_node()
-        if node is None:
-            return None
-        added = _alias_growth(node)
-        if added > ALIAS_BUDGET:
-            raise RecipeError(f"{source}: YAML aliases would expand the recipe by more than "
-                              f"{ALIAS_BUDGET} nodes (a recursive or \"billion laughs\" alias); "
-                              "refused")
-        _check_numbers(node, source)
-        return loader.construct_document(node)
+        return None if node is None else _checked(loader, node, source)
     except yaml.YAMLError as exc:
         if isinstance(exc, yaml.composer.ComposerError) and "single document" in str(exc):
             line = exc.problem_mark.line + 1 if exc.problem_mark else "?"
             raise RecipeError(
                 f"{source} holds several YAML documents (separated by '---' at line {line}); "
-                "a recipe or a mergekit config is one. A mergekit-multi config (several "
-                "merges, later ones naming earlier outputs) is not read in one run: put each "
-                "document in a file of its own, import and build them in order, and name each "
-                "earlier output by its directory in the later ones.") from None
+                "a recipe is one. A mergekit-multi config (several merges, later ones naming "
+                "earlier outputs) becomes one `kind: stages` recipe with `moemerge "
+                "import-mergekit`.") from None
         raise RecipeError(f"{source}: not valid YAML: {str(exc)[:500]}") from None
     except RecursionError:
         raise RecipeError(f"{source}: the YAML is nested too deeply") from None
     finally:
         loader.dispose()
+
+
+def _checked(loader: yaml.SafeLoader, node: yaml.Node, source: str) -> object:
+    """One document's data, once its aliases and numbers are within bounds."""
+    added = _alias_growth(node)
+    if added > ALIAS_BUDGET:
+        raise RecipeError(f"{source}: YAML aliases would expand the recipe by more than "
+                          f"{ALIAS_BUDGET} nodes (a recursive or \"billion laughs\" alias); "
+                          "refused")
+    _check_numbers(node, source)
+    return loader.construct_document(node)
 
 
 MAX_INT_CHARS = 4000  # Python converts at most 4300 digits to an int (a bare ValueError)
@@ -162,18 +170,17 @@ def _describe(err: dict) -> str:
         if data.get("kind") == "moe":
             return (f"assembly: must be one of {', '.join(ASSEMBLIES)}, got "
                     f"{short(data.get('assembly'))}")
-        return (f"kind: must be {_either(_KIND_NAMES)}, got {short(data.get('kind'))}")
+        return f"kind: must be {_or([repr(n) for n in _KIND_NAMES])}, got {short(data.get('kind'))}"
     if err["type"] == "union_tag_not_found":
-        return ("kind: missing; say 'kind: merge' (dense merge), 'kind: moe', 'kind: upcycle' "
-                "(one dense model into an MoE) or 'kind: shrink' (fewer experts)")
+        return "kind: missing; say " + _or([f"'kind: {name}' ({BY_TAG[name].summary})"
+                                             for name in _KIND_NAMES])
     msg = err["msg"].removeprefix("Value error, ")[:300]
     # whole-recipe checks name their own field at the start of the message
     return f"{field[:200]}: {msg}" if field else msg
 
 
-def _either(names: list[str]) -> str:
-    quoted = [f"'{name}'" for name in names]
-    return ", ".join(quoted[:-1]) + " or " + quoted[-1]
+def _or(items: list[str]) -> str:
+    return ", ".join(items[:-1]) + " or " + items[-1]
 
 
 def parse_recipe(data: object, source: str = "<recipe>") -> AnyRecipe:
@@ -187,7 +194,7 @@ def parse_recipe(data: object, source: str = "<recipe>") -> AnyRecipe:
     return _ADAPTER.validate_python(data)
 
 
-def load_recipe_data(path: Path) -> object:
+def load_recipe_data(path: Path, *, documents: bool = False) -> object:
     if not path.is_file():
         raise RecipeError(f"{path}: recipe file not found")
     try:
@@ -197,7 +204,7 @@ def load_recipe_data(path: Path) -> object:
                           "text file") from None
     except OSError as exc:
         raise RecipeError(f"{path}: cannot read the recipe: {exc.strerror}") from None
-    return safe_yaml(text, str(path))
+    return safe_yaml(text, str(path), documents=documents)
 
 
 def load_recipe(path: Path) -> AnyRecipe:

@@ -39,6 +39,15 @@ def _load_tokenizer(base_dir: Path):
         ) from None
 
 
+def _load_base(base_dir: Path, dtype: torch.dtype, init: str):
+    try:
+        model = load_pretrained("AutoModelForCausalLM", base_dir, dtype=dtype)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"router init {init} runs the base model, but it does not load "
+                              f"from {base_dir}: {exc}") from None
+    return model.eval()
+
+
 def _per_layer_means(model, ids_list: list[torch.Tensor], ffn_module: str) -> torch.Tensor:
     """Mean router input (the FFN module's input) over every token of the prompts: [L, H]."""
     layers = model.model.layers
@@ -73,12 +82,7 @@ def prompt_router_rows(
 ) -> torch.Tensor:
     """Router weights for every layer from the experts' prompts: [L, E, H]."""
     tokenizer = _load_tokenizer(base_dir)
-    try:
-        model = load_pretrained("AutoModelForCausalLM", base_dir, dtype=torch.float32)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"router init from prompts runs the base model, but it does not "
-                              f"load from {base_dir}: {exc}") from None
-    model.eval()
+    model = _load_base(base_dir, torch.float32, "prompts")
 
     def means(prompts: list[str]) -> torch.Tensor | None:
         ids = _tokenize(tokenizer, prompts, max_tokens)
@@ -155,12 +159,7 @@ def mergekit_gate_rows(base_dir: Path, experts: list[ExpertRef], init: str, *, l
             summed = (h * tokens["attention_mask"].unsqueeze(-1)).sum(dim=1).sum(dim=0)
             return (summed / summed.norm().clamp(min=1e-8)).repeat(layers, 1)
     else:
-        try:
-            model = load_pretrained("AutoModelForCausalLM", base_dir, dtype=torch.bfloat16)
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"router init {init} runs the base model, but it does not "
-                                  f"load from {base_dir}: {exc}") from None
-        model.eval()
+        model = _load_base(base_dir, torch.bfloat16, init)
 
         def vectors(tokens) -> torch.Tensor:  # [L, H], bfloat16 as mergekit's
             with torch.no_grad():

@@ -13,6 +13,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import yaml
 
@@ -54,6 +55,12 @@ class Shrunk:
     notes: list[str] = field(default_factory=list)
     bytes: int = 0
 
+    verb: ClassVar[str] = "shrunk"  # what `build` prints before the output's path
+
+    def summary(self) -> str:
+        """What `build` prints after the output's path."""
+        return f"{self.kept} of {self.before} experts per layer, {self.bytes / 2**20:.1f} MiB"
+
 
 def input_model(recipe: ShrinkRecipe, recipe_dir: Path) -> Path:
     """The MoE's directory: relative to the recipe's directory first, else as given."""
@@ -90,6 +97,16 @@ def _windows(recipe: ShrinkRecipe, moe: Path, recipe_dir: Path):
 def _groupings(stats, recipe: ShrinkRecipe, kept: int) -> dict[int, Grouping]:
     choose = prune if recipe.method == "prune" else merge
     return {layer: choose(s, kept, recipe.saliency) for layer, s in stats.items()}
+
+
+def run(recipe: ShrinkRecipe, out: Path, *, recipe_dir: Path, recipe_text: str, options,
+        progress: bool, warn) -> Shrunk:
+    """`build` of a `kind: shrink` recipe (its kind's runner, recipe/kinds.py)."""
+    if options.dry_run or options.tune is not None:
+        raise RecipeError("kind: shrink reads its calibration text through the model to choose "
+                          "what to keep; it has no dry run and no --tune-on")
+    return shrink(recipe, out, recipe_dir=recipe_dir, recipe_text=recipe_text,
+                  force=options.force, verify=options.verify != "structure", progress=progress)
 
 
 def shrink(recipe: ShrinkRecipe, out: Path, *, recipe_dir: Path, recipe_text: str,

@@ -42,7 +42,10 @@ def test_the_parser_is_the_table():
     assert len(BY_TAG) == len(KINDS) == len({k.name for k in KINDS})
     assert ASSEMBLIES == ("token_routed", "seq_routed", "bridged", "merged_experts")
     (error,) = recipe_errors({"kind": "blend"})
-    assert error == ("kind: must be 'merge', 'moe', 'upcycle' or 'shrink', got 'blend'")
+    assert error == "kind: must be 'merge', 'moe', 'upcycle', 'shrink' or 'stages', got 'blend'"
+    (error,) = recipe_errors({"models": []})
+    assert error.startswith("kind: missing; say 'kind: merge' (one dense model merged from "
+                            "several), 'kind: moe' (a token-routed MoE")
     (error,) = recipe_errors({"kind": "moe", "assembly": "stacked"})
     assert error.startswith("assembly: must be one of token_routed, seq_routed, bridged, "
                             "merged_experts")

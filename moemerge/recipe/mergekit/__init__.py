@@ -22,9 +22,33 @@ from moemerge.recipe.mergekit.moe import convert_moe
 
 @dataclass
 class Imported:
-    kind: str  # "mergekit-yaml" or "mergekit-moe"
+    kind: str  # "mergekit-yaml", "mergekit-moe" or "mergekit-multi"
     recipe: dict
     notes: list[str] = field(default_factory=list)
+
+
+def convert_documents(documents: list, source: str = "<config>") -> Imported:
+    """One document: `convert`. Several (mergekit-multi): a `kind: stages` recipe, a stage per
+    document; a document's `name` names its stage (later documents read its output by that
+    name), the one without a name is the output, as mergekit-multi has it."""
+    if not documents:
+        raise RecipeError(f"{source}: holds no config")
+    if len(documents) == 1:
+        return convert(documents[0], source)
+    stages, notes = [], []
+    for i, document in enumerate(documents):
+        where = f"{source}, document {i + 1}"
+        if not isinstance(document, dict):
+            raise RecipeError(f"{where}: not a mergekit config (a YAML mapping)")
+        name = document.get("name")
+        if name is not None and not isinstance(name, str):
+            raise RecipeError(f"{where}: name: a stage name is a string, got {name!r}")
+        one = convert({k: v for k, v in document.items() if k != "name"}, where)
+        stages.append({**({"name": name} if name else {}), "recipe": one.recipe})
+        notes += [f"{name or 'the output stage'}: {note}" for note in one.notes]
+    recipe = {"kind": "stages", "stages": stages}
+    parse_recipe(recipe, f"{source} (imported)")
+    return Imported("mergekit-multi", recipe, notes)
 
 
 def convert(data: object, source: str = "<config>") -> Imported:

@@ -1,0 +1,143 @@
+"""`kind: stages`: several recipes built in one run, later stages reading earlier stages' outputs
+by name (what mergekit-multi runs: `import-mergekit` writes one from a config of several YAML
+documents).
+
+    kind: stages
+    stages:
+      - name: code-math          # later stages name this stage's output as a model
+        recipe: {kind: merge, ...}
+      - recipe: {kind: moe, base_model: code-math, ...}   # the output stage: no name
+
+The output stage is the one without a name, or else the one no other stage reads; the others
+are written beside the output, each a whole model (`<OUT>.stages/<name>`), and built first.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from moemerge.recipe.models import ModelRef, Strict
+
+# recipe fields that hold model references (strings, or mappings with `model`)
+MODEL_FIELDS = ("model", "base_model", "reference", "models", "experts", "sources", "slices")
+
+
+class Stage(Strict):
+    name: str | None = Field(default=None, min_length=1, max_length=200, pattern=r"^[^/\\]+$",
+                             description="What later stages call this stage's output (as a "
+                             "model); the output stage needs none.")
+    recipe: dict = Field(description="A recipe of any other kind, as in a recipe file.")
+
+
+class StagesRecipe(Strict):
+    kind: Literal["stages"]
+    name: str | None = None
+    stages: list[Stage] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _valid(self) -> StagesRecipe:
+        from moemerge.recipe.load import recipe_errors  # load builds its parser from the kinds
+
+        names = [s.name for s in self.stages if s.name]
+        problems = [f"stages: two stages are named {n!r}" for n in sorted(set(names))
+                    if names.count(n) > 1]
+        if len(self.stages) - len(names) > 1:
+            problems.append("stages: more than one stage has no name; only the output stage "
+                            "may go unnamed")
+        for i, stage in enumerate(self.stages):
+            if stage.recipe.get("kind") == "stages":
+                problems.append(f"stages[{i}].recipe.kind: a stage is one recipe, not stages")
+                continue
+            problems += [f"stages[{i}].recipe.{e}" for e in recipe_errors(stage.recipe)]
+        if not problems:
+            problems += self._order_problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def reads(self, index: int) -> set[str]:
+        """The stage names stage `index` reads as models."""
+        found: set[str] = set()
+        _walk(self.stages[index].recipe, set(self._names()), found.add)
+        return found
+
+    def order(self) -> list[int]:
+        """Stage indices, each after every stage it reads."""
+        index = {s.name: i for i, s in enumerate(self.stages) if s.name}
+        done: list[int] = []
+
+        def visit(i: int, path: tuple[int, ...]) -> None:
+            if i in done:
+                return
+            if i in path:
+                cycle = " -> ".join(self.stages[j].name or "output" for j in (*path, i))
+                raise ValueError(f"stages: a cycle: {cycle}")
+            for name in sorted(self.reads(i)):
+                visit(index[name], (*path, i))
+            done.append(i)
+
+        for i in range(len(self.stages)):
+            visit(i, ())
+        return done
+
+    @property
+    def output_index(self) -> int:
+        unnamed = [i for i, s in enumerate(self.stages) if not s.name]
+        if unnamed:
+            return unnamed[0]
+        read = set().union(*(self.reads(i) for i in range(len(self.stages))))
+        sinks = [i for i, s in enumerate(self.stages) if s.name not in read]
+        if len(sinks) != 1:
+            unread = ", ".join(self.stages[i].name for i in sinks) or "none"
+            raise ValueError("stages: which stage is the output? Leave its name out (the "
+                             f"stages no other reads: {unread})")
+        return sinks[0]
+
+    @property
+    def inputs(self) -> list[ModelRef]:
+        """The models the stages read that no stage makes."""
+        names, found = set(self._names()), []
+        for stage in self.stages:
+            _walk(stage.recipe, set(), lambda m: m not in names and found.append(ModelRef(
+                model=m)))
+        return found
+
+    def stage_recipe(self, index: int, outputs: dict[str, str]) -> dict:
+        """Stage `index`'s recipe with every stage name it reads replaced by `outputs[name]`."""
+        return _replaced(self.stages[index].recipe, outputs)
+
+    def _names(self) -> list[str]:
+        return [s.name for s in self.stages if s.name]
+
+    def _order_problems(self) -> list[str]:
+        try:
+            self.order()
+            _ = self.output_index
+        except ValueError as exc:
+            return [str(exc)]
+        return []
+
+
+def _walk(value: object, names: set[str], found, key: str | None = None) -> None:
+    """found(model) for every model reference under `value` (all of them when `names` is
+    empty, else those in `names`)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _walk(v, names, found, k)
+    elif isinstance(value, list):
+        for v in value:
+            _walk(v, names, found, key)
+    elif isinstance(value, str) and key in MODEL_FIELDS and (not names or value in names):
+        found(value)
+
+
+def _replaced(value: object, outputs: dict[str, str], key: str | None = None) -> object:
+    if isinstance(value, dict):
+        return {k: _replaced(v, outputs, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_replaced(v, outputs, key) for v in value]
+    if isinstance(value, str) and key in MODEL_FIELDS and value in outputs:
+        return outputs[value]
+    return value
