@@ -14,6 +14,7 @@ import yaml
 from moemerge.api import RecipeSource, build
 from moemerge.build_options import BuildOptions
 from moemerge.errors import OutputError, RecipeError
+from moemerge.recipe.kinds import kind_of
 from moemerge.recipe.load import parse_recipe
 from moemerge.recipe.stages import StagesRecipe
 
@@ -45,6 +46,12 @@ def build_stages(recipe: StagesRecipe, out: Path, *, recipe_dir: Path | None, re
         raise RecipeError("kind: stages plans each stage from the outputs of the stages it "
                           "reads: it has no dry run and no --tune-on (build a stage's recipe "
                           "alone for those)")
+    final = recipe.output_index
+    if options.gguf is not None:  # before any stage is built
+        kind = kind_of(parse_recipe(recipe.stages[final].recipe))
+        if not kind.gguf:
+            raise RecipeError(f"--gguf: the output stage is kind: {kind.name}, whose output "
+                              "llama.cpp does not know")
     outputs = stage_outputs(recipe, out)
     if not options.force:  # refuse before the first stage is built
         taken = [p for p in [out, *outputs.values()] if p.exists()]
@@ -52,7 +59,6 @@ def build_stages(recipe: StagesRecipe, out: Path, *, recipe_dir: Path | None, re
             raise OutputError(f"{taken[0]} already exists; pass --force to replace it (a stages "
                               f"recipe writes {out} and {out.name}.stages/ beside it)")
     made = {name: str(path.absolute()) for name, path in outputs.items()}
-    final = recipe.output_index
     for i in recipe.order():
         stage = recipe.stages[i]
         data = recipe.stage_recipe(i, made)

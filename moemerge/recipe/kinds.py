@@ -87,7 +87,7 @@ KINDS = (
          None, None, runner="shrink:run"),
     Kind("stages", "stages", StagesRecipe, "several recipes built in order, later ones reading "
          "earlier outputs (mergekit-multi)", "inputs", None, None, runner="stages:build_stages",
-         moe=False),
+         moe=False, gguf=True),  # gguf: the output stage's build converts it, if its kind can
 )
 BY_TAG = {kind.tag: kind for kind in KINDS}
 AnyRecipe = Union[tuple(kind.recipe for kind in KINDS)]  # noqa: UP007 - a union made at run time

@@ -77,6 +77,13 @@ def test_nothing_is_replaced_without_force_and_a_bad_stage_leaves_no_output(mode
     assert (tmp_path / "out2.stages" / "code-math" / "config.json").exists()
     with pytest.raises(RecipeError, match="no dry run"):
         build(recipe, None, dry_run=True, progress=False)
+    seq = yaml.safe_load(stages_text(base, experts))
+    seq["stages"][0]["recipe"] = {"kind": "moe", "assembly": "seq_routed",
+                                  "experts": ["code-math", str(experts[2])]}
+    seq_recipe = write_recipe(tmp_path / "seq.yaml", yaml.safe_dump(seq))
+    with pytest.raises(RecipeError, match="--gguf: the output stage is kind: seq_routed"):
+        build(seq_recipe, tmp_path / "out3", gguf="f16", progress=False)
+    assert not (tmp_path / "out3.stages").exists()  # refused before the first stage
 
 
 def test_the_cli_says_what_it_built(models, tmp_path):
