@@ -32,4 +32,7 @@ def padded_average_fit(sources: Sequence[Tensor], weights: Sequence[float] | Non
             block[:, : source.shape[1]].add_(source[start:stop].double(), alpha=w_i)
         gram.addmm_(block.T, block)
         cross.addmm_(block.T, own[start:stop].double())
-    return torch.linalg.lstsq(gram, cross).solution
+    # gelsd (SVD): the same bytes in every process; the default gelsy (pivoted QR) was not,
+    # ~1e-15 apart between runs of one build (tests/merge/test_least_squares.py). Both give
+    # the minimum-norm solution where zero-padded columns make the Gram matrix singular.
+    return torch.linalg.lstsq(gram, cross, driver="gelsd").solution
