@@ -300,9 +300,10 @@ class _Build:
 
     def _run_whole(self, out: Path | None) -> BuildResult:
         """A kind with no plan (`shrink`, `stages`): its runner does the whole build."""
-        if out is None:
-            raise RecipeError(f"{self.source.name}: kind: {self.kind.name} has no dry run; give "
-                              "an output directory")
+        if self.options.dry_run or out is None:  # (--tune-on: refused by _check_kind)
+            raise RecipeError(f"{self.source.name}: kind: {self.kind.name} has no dry run: what "
+                              "it writes is chosen from what it reads as it runs (a shrink's "
+                              "statistics, a stage's inputs); give an output directory")
         done = self._in_recipe(self.kind.load("runner"), self.recipe, out,
                                recipe_dir=self._near(), recipe_text=self.source.text,
                                options=self.options, progress=self.progress, warn=self.warn)

@@ -125,7 +125,7 @@ def byte_copy(job: Job, stored: Stored | None) -> TensorMeta | None:
     source = job.sources[0]
     if source.rows is not None or source.change is not None:
         return None
-    meta = stored(job.sources[0])
+    meta = stored(source)
     same = meta is not None and meta.dtype == job.dtype and meta.shape == tuple(job.shape)
     return meta if same else None
 

@@ -42,10 +42,7 @@ def stage_outputs(recipe: StagesRecipe, out: Path) -> dict[str, Path]:
 
 def build_stages(recipe: StagesRecipe, out: Path, *, recipe_dir: Path | None, recipe_text: str,
                  options: BuildOptions, progress: bool, warn) -> StagesBuilt:
-    if options.dry_run or options.tune is not None:
-        raise RecipeError("kind: stages plans each stage from the outputs of the stages it "
-                          "reads: it has no dry run and no --tune-on (build a stage's recipe "
-                          "alone for those)")
+    # (api.py refuses a dry run and --tune-on: a stage is planned from earlier stages' outputs)
     final = recipe.output_index
     if options.gguf is not None:  # before any stage is built
         kind = kind_of(parse_recipe(recipe.stages[final].recipe))
@@ -63,10 +60,7 @@ def build_stages(recipe: StagesRecipe, out: Path, *, recipe_dir: Path | None, re
         stage = recipe.stages[i]
         data = recipe.stage_recipe(i, made)
         where = f"stages[{i}]" + (f" ({stage.name})" if stage.name else " (the output)")
-        try:
-            parsed = parse_recipe(data, where)
-        except RecipeError as exc:  # checked whole already: a reference made a path
-            raise RecipeError(f"{where}: {exc}") from None
+        parsed = parse_recipe(data, where)  # checked whole already: only references changed
         last = i == final
         dest = out if last else outputs[stage.name]
         build(parsed, dest, options.model_copy(update={"gguf": options.gguf if last else None}),

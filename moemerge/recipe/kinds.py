@@ -92,8 +92,7 @@ KINDS = (
 BY_TAG = {kind.tag: kind for kind in KINDS}
 AnyRecipe = Union[tuple(kind.recipe for kind in KINDS)]  # noqa: UP007 - a union made at run time
 DEFAULT_ASSEMBLY = BY_TAG["moe"].name  # `kind: moe` without `assembly:`
-ASSEMBLIES = tuple(k.recipe.model_fields["assembly"].annotation.__args__[0]
-                   for k in KINDS if "assembly" in k.recipe.model_fields)
+ASSEMBLIES = tuple(k.name for k in KINDS if k.tag.partition(":")[0] == "moe")  # kind: moe's
 
 
 def kind_of(recipe) -> Kind:

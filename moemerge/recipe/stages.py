@@ -98,11 +98,11 @@ class StagesRecipe(Strict):
     @property
     def inputs(self) -> list[ModelRef]:
         """The models the stages read that no stage makes."""
-        names, found = set(self._names()), []
+        found: list[str] = []
         for stage in self.stages:
-            _walk(stage.recipe, set(), lambda m: m not in names and found.append(ModelRef(
-                model=m)))
-        return found
+            _walk(stage.recipe, set(), found.append)
+        names = set(self._names())
+        return [ModelRef(model=m) for m in found if m not in names]
 
     def stage_recipe(self, index: int, outputs: dict[str, str]) -> dict:
         """Stage `index`'s recipe with every stage name it reads replaced by `outputs[name]`."""

@@ -101,10 +101,8 @@ def _groupings(stats, recipe: ShrinkRecipe, kept: int) -> dict[int, Grouping]:
 
 def run(recipe: ShrinkRecipe, out: Path, *, recipe_dir: Path, recipe_text: str, options,
         progress: bool, warn) -> Shrunk:
-    """`build` of a `kind: shrink` recipe (its kind's runner, recipe/kinds.py)."""
-    if options.dry_run or options.tune is not None:
-        raise RecipeError("kind: shrink reads its calibration text through the model to choose "
-                          "what to keep; it has no dry run and no --tune-on")
+    """`build` of a `kind: shrink` recipe (its kind's runner, recipe/kinds.py; api.py refuses
+    a dry run and --tune-on)."""
     return shrink(recipe, out, recipe_dir=recipe_dir, recipe_text=recipe_text,
                   force=options.force, verify=options.verify != "structure", progress=progress)
 

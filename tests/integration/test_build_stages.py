@@ -77,6 +77,9 @@ def test_nothing_is_replaced_without_force_and_a_bad_stage_leaves_no_output(mode
     assert (tmp_path / "out2.stages" / "code-math" / "config.json").exists()
     with pytest.raises(RecipeError, match="no dry run"):
         build(recipe, None, dry_run=True, progress=False)
+    with pytest.raises(RecipeError, match="kind: stages has no dry run"):
+        build(recipe, tmp_path / "planned", dry_run=True, progress=False)
+    assert not (tmp_path / "planned.stages").exists()
     seq = yaml.safe_load(stages_text(base, experts))
     seq["stages"][0]["recipe"] = {"kind": "moe", "assembly": "seq_routed",
                                   "experts": ["code-math", str(experts[2])]}
