@@ -230,15 +230,16 @@ class _Build:
         tensors = CheckedTensors(models, strict=options.strict,
                                  allow_non_finite=options.allow_non_finite, warn=self.warn)
         tokenizer_dir = models[kind.tokenizer(recipe)].path
-        tokenizer = calibration = None
+        calibration = None
+        tokenizer = (load_tokenizer(tokenizer_dir)  # once, for tuning and calibration alike
+                     if options.tune is not None or texts is not None else None)
         if options.tune is not None:  # every check before the first tensor is read
             tunable_jobs(plan)
-            tokenizer = load_tokenizer(tokenizer_dir)
             check_length(tokenizer, held_out, options.tune)
         if texts is not None:  # windows and targets (loss targets run each expert)
             with self.stage("preparing the calibration text"):
                 calibration = self._in_recipe(
-                    calibration_set, recipe.calibration, texts, load_tokenizer(tokenizer_dir),
+                    calibration_set, recipe.calibration, texts, tokenizer,
                     expert_models(recipe, models))
         # once per build, after every check: tuning changes merge parameters, never routers
         make_router = router_maker(recipe, models)

@@ -55,7 +55,7 @@ class TuneOptions:
 class BuildOptions(BaseModel):
     """How to build, whatever the recipe: `api.build(recipe, out, BuildOptions(...))`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     dry_run: bool = Field(False, description=(
         "Print every output tensor and how it is made; reads headers only, writes nothing."))

@@ -23,12 +23,13 @@ RecipeArg = Annotated[
 
 def Option(name: str, *decls: str, model=BuildOptions, **extra):  # noqa: N802 - reads as typer's
     """The typer option of field `name` of BuildOptions (or TuneOptions), described by it."""
-    info = (model.model_fields if model is BuildOptions else model.__pydantic_fields__)[name]
+    info = model.__pydantic_fields__[name]
     return typer.Option(*decls, help=info.description + extra.pop("more", ""), **extra)
 
 
-D = {name: info.default for name, info in BuildOptions.model_fields.items()}  # the defaults
-T = {name: info.default for name, info in TuneOptions.__pydantic_fields__.items()}
+# the defaults
+D, T = ({name: info.default for name, info in model.__pydantic_fields__.items()}
+        for model in (BuildOptions, TuneOptions))
 
 
 def _listed(values: tuple[float, ...]) -> str:

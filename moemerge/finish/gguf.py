@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 from moemerge.architectures.tables import moe_layouts
+from moemerge.build_options import GGUF_TYPES
 from moemerge.errors import OutputError, RecipeError
 
-OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 ENV = "LLAMA_CPP_DIR"
 SCRIPT = "convert_hf_to_gguf.py"
 CONSOLE_SCRIPT = "llama-convert-hf-to-gguf"  # `pip install ./llama.cpp` installs it
@@ -32,8 +32,8 @@ HOW_TO_GET = (
 
 
 def check_outtype(outtype: str) -> None:
-    if outtype not in OUTTYPES:
-        raise RecipeError(f"--gguf: must be one of {', '.join(OUTTYPES)}, got {outtype!r}")
+    if outtype not in GGUF_TYPES:
+        raise RecipeError(f"--gguf: must be one of {', '.join(GGUF_TYPES)}, got {outtype!r}")
 
 
 # llama.cpp's LLAMA_MAX_EXPERTS (src/llama-hparams.h, the llama.cpp of llama-cpp-python 0.3.36):
