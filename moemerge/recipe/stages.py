@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from moemerge.recipe.models import ModelRef, Strict
 
@@ -25,10 +25,19 @@ MODEL_FIELDS = ("model", "base_model", "reference", "models", "experts", "source
 
 
 class Stage(Strict):
-    name: str | None = Field(default=None, min_length=1, max_length=200, pattern=r"^[^/\\]+$",
+    name: str | None = Field(default=None, min_length=1, max_length=200,
                              description="What later stages call this stage's output (as a "
                              "model); the output stage needs none.")
     recipe: dict = Field(description="A recipe of any other kind, as in a recipe file.")
+
+    @field_validator("name")
+    @classmethod
+    def _a_directory_name(cls, name: str | None) -> str | None:
+        if name in (".", "..") or any(c in (name or "") for c in "/\\\x00"):
+            # OUT.stages/<name> must be a directory of its own, not elsewhere
+            raise ValueError(f"{name[:80]!r}: a stage name is a directory name under "
+                             "OUT.stages/ (no '/', '\\' or NUL, not '.' or '..')")
+        return name
 
 
 class StagesRecipe(Strict):

@@ -38,6 +38,16 @@ def test_with_every_stage_named_the_output_is_the_one_no_other_reads():
     assert recipe.output_index == 0
 
 
+@pytest.mark.parametrize("name", ["..", ".", "a/b", "../up", "a\\b", "nul\x00"])
+def test_a_stage_name_is_a_directory_of_its_own(name):
+    """OUT.stages/<name> is where the stage is written: '..' would be OUT's parent."""
+    (error,) = recipe_errors(stages({"name": name, "recipe": merge_of("a", "b")},
+                                    {"recipe": merge_of(name, "c")}))
+    assert error.startswith("stages.0.name: ") and "a stage name is a directory name" in error
+    assert not recipe_errors(stages({"name": ".hidden", "recipe": merge_of("a", "b")},
+                                    {"recipe": merge_of(".hidden", "c")}))
+
+
 @pytest.mark.parametrize(("entries", "message"), [
     (({"name": "s", "recipe": merge_of("a", "b")}, {"name": "s", "recipe": merge_of("s", "c")}),
      "two stages are named 's'"),
