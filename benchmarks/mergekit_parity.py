@@ -134,8 +134,48 @@ def moe_rows(root: Path, bin_dir: Path, models) -> list[dict]:
     random (every parameter but the routers: the draws differ), hidden, hidden_avg and
     cheap_embed (every parameter, the routers too), compared as loaded by transformers (the
     two tools write different tensor names for the same model)."""
-    return [moe_row(root, bin_dir, models, gate)
-            for gate in ("random", "hidden", "hidden_avg", "cheap_embed")]
+    return [*(moe_row(root, bin_dir, models, gate)
+              for gate in ("random", "hidden", "hidden_avg", "cheap_embed")),
+            shared_row(root, bin_dir, models, "deepseek", None),
+            shared_row(root, bin_dir, models, "qwen", ["a helpful answer", "In general,"])]
+
+
+def shared_row(root: Path, bin_dir: Path, models, architecture: str, prompts) -> dict:
+    """mergekit-moe with a shared expert (DeepSeek output: ungated; Qwen output: its gate from
+    the prompts) against the imported recipe, every tensor by name (mergekit's DeepSeek config
+    points its auto_map at the hub, so it is not loaded). The shared expert is expert 1's model:
+    mergekit-moe 0.1.5 opens only the base's and the experts' files and crashes on any other
+    (AttributeError: 'NoneType' object has no attribute 'get_tensor')."""
+    from moemerge.recipe.mergekit import convert, render
+
+    shared = {"source_model": str(models[1]), **({"positive_prompts": prompts} if prompts
+                                                 else {})}
+    config = yaml.safe_dump({"base_model": str(models[0]), "gate_mode": "hidden",
+                             "dtype": "float32", "architecture": architecture,
+                             "shared_experts": [shared], "experts": [
+        {"source_model": str(m), "positive_prompts": PROMPTS[i]}
+        for i, m in enumerate(models[1:])]})
+    name = f"moe-shared-{architecture}"
+    (root / f"{name}.mergekit.yaml").write_text(config)
+    subprocess.run([str(bin_dir / "mergekit-moe"), str(root / f"{name}.mergekit.yaml"),
+                    str(root / f"{name}.mergekit"), "--random-seed", "0", "--quiet",
+                    "--device", "cpu", "--i-understand-this-is-not-useful-without-training"],
+                   check=True, capture_output=True)
+    converted = convert(yaml.safe_load(config))
+    recipe = root / f"{name}.moemerge.yaml"
+    recipe.write_text(render(converted, f"{name}.mergekit.yaml"))
+    build(recipe, root / f"{name}.moemerge", progress=False, force=True, verify="structure")
+    tensors = [{k: v for f in sorted((root / f"{name}.{tool}").glob("*.safetensors"))
+                for k, v in load_file(f).items()} for tool in ("mergekit", "moemerge")]
+    delta = max_delta(*tensors)
+    layout = converted.recipe["layout"]
+    print(f"mergekit-moe (shared expert, {architecture})  {delta:.3g}", flush=True)
+    what = "ungated" if prompts is None else "gate from its prompts"
+    return {"method": f"mergekit-moe, 2 experts + a shared expert ({what}), architecture "
+                      f"{architecture}, gate_mode hidden (routers and shared gate included)",
+            "mergekit": "mergekit-moe", "options": "the recipe import-mergekit writes (merge: "
+            f"base, router.init mergekit_hidden, shared_expert: {{model}}, layout: {layout})",
+            "max_abs_delta": delta}
 
 
 def moe_row(root: Path, bin_dir: Path, models, gate: str) -> dict:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from moemerge.architectures.tables import moe_layouts
 from moemerge.data import domain_texts
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.eval.perplexity import perplexity, window_counts
@@ -93,13 +94,15 @@ def moe_shape(config, where: str) -> tuple[int, int]:
         return len(config.experts), int(config.num_experts_per_seq)
     if is_merged_experts(config):
         return int(config.num_experts), int(config.num_experts)
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    keys = dict.fromkeys(layout.num_experts_key for layout in moe_layouts().values())
+    experts = next((getattr(config, key) for key in keys if getattr(config, key, None)), None)
     k = getattr(config, "num_experts_per_tok", None)
     if not experts or not k:
         raise CheckpointError(
-            f"{where}: not an MoE checkpoint (its config has no num_local_experts / num_experts "
-            "and num_experts_per_tok); a routing report needs a Mixtral, Qwen2-MoE or Qwen3-MoE "
-            "model (for task vectors, give BASE EXPERT... without --data)"
+            f"{where}: not an MoE checkpoint (its config has no {' / '.join(keys)} and "
+            "num_experts_per_tok); a routing report needs a token-routed MoE such as Mixtral, "
+            "Qwen2-MoE, Qwen3-MoE or DeepSeek-MoE (for task vectors, give BASE EXPERT... "
+            "without --data)"
         )
     return int(experts), int(k)
 

@@ -62,7 +62,7 @@ def dense_config(source: dict, dtype: torch.dtype) -> dict:
 
 def moe_config(
     source: dict, layout: MoELayout, dtype: torch.dtype, *, num_experts: int,
-    experts_per_token: int, shared_width: int = 1,
+    experts_per_token: int, shared_width: int | None = None,
 ) -> dict:
     """The layout's config.json: the source's keys, the expert counts and widths under the
     layout's own key names, and its fixed settings (all from moe.yaml)."""
@@ -74,9 +74,12 @@ def moe_config(
     config[layout.num_experts_key] = num_experts
     config[layout.expert_width_key] = source["intermediate_size"]
     if layout.shared_width_key is not None:
-        # Qwen2-MoE's mandatory shared expert: zeros of width 1, or a whole FFN
+        # Qwen2-MoE's mandatory shared expert: a whole FFN, or without one zeros of width 1
         # (plan/shared_expert.py)
-        config[layout.shared_width_key] = shared_width
+        config[layout.shared_width_key] = shared_width or 1
+    if layout.shared_count_key is not None:  # DeepSeek-MoE: in experts' widths, or none
+        config[layout.shared_count_key] = shared_width and shared_width // source[
+            "intermediate_size"]
     config.update(layout.config)
     return config
 

@@ -33,6 +33,7 @@ class DenseFamily:
     layer_tensors: dict[str, str]
     optional: frozenset[str] = field(default_factory=frozenset)
     shared_target: str | None = None  # the layout when the recipe asks for a shared expert
+    layouts: tuple[str, ...] = ()  # other layouts a recipe's `layout:` may pick
     router_input_norm: str | None = None  # the norm the FFN reads through (None: no norm)
     assemblies: frozenset[str] | None = None  # the MoE assemblies it may feed (None: all)
     must_agree: tuple[str, ...] = ()  # config keys every merged model must share
@@ -67,16 +68,27 @@ class DenseFamily:
             ]
         return names
 
-    def moe_layout(self, where: str, shared_expert: bool = False) -> MoELayout:
-        """The token-routed MoE layout of this family (with or without a shared expert), or an
-        error naming the kinds it can be."""
+    @property
+    def allowed_layouts(self) -> tuple[str, ...]:
+        """Every MoE layout this family can be written as (`layout:` in a recipe)."""
+        own = (self.moe_target, self.shared_target, *self.layouts)
+        return tuple(dict.fromkeys(name for name in own if name is not None))
+
+    def moe_layout(self, where: str, shared_expert: bool = False,
+                   chosen: str | None = None) -> MoELayout:
+        """The token-routed MoE layout of this family (`chosen` by the recipe, else its own,
+        with or without a shared expert), or an error naming the kinds it can be."""
         if self.moe_target is None:
             raise MismatchError(
                 f"{where}: no transformers MoE class computes a {self.name} model (its "
                 "activation, norms or logit transforms), so it cannot become a token_routed or "
                 "upcycled MoE; use assembly seq_routed, bridged or merged_experts, which run "
                 f"{self.name}'s own transformers code")
-        return moe_layouts()[self.target(shared_expert)]
+        if chosen is not None and chosen not in self.allowed_layouts:
+            raise MismatchError(
+                f"layout: {chosen!r} cannot hold a {self.name} model ({where}); this family can "
+                f"be written as {', '.join(self.allowed_layouts)}")
+        return moe_layouts()[chosen or self.target(shared_expert)]
 
 
 @dataclass(frozen=True)
@@ -90,11 +102,14 @@ class MoELayout:
     shared_expert: str | None = None  # the always-on expert's tensors, `{proj}` filled in
     shared_expert_gate: str | None = None  # its sigmoid gate [1, H]
     llama_cpp_renormalises_topk: bool = True
+    renormalises_top1: bool = True  # False: a top-1 expert is scaled by its softmax weight
     llama_cpp_converts: bool = True  # llama.cpp's convert_hf_to_gguf.py knows the architecture
     holds_biases: bool = True
     num_experts_key: str = "num_experts"
     expert_width_key: str = "intermediate_size"
     shared_width_key: str | None = None
+    shared_count_key: str | None = None  # shared width in expert widths (None: no shared expert)
+    zero_biases: tuple[str, ...] = ()  # `model.layers.{layer}.<module>.bias` written as zeros
     copied_config: tuple[str, ...] = ()  # source config keys this layout needs beyond COPIED
     config: dict = field(default_factory=dict)  # fixed config.json settings
     fused: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> projections
@@ -135,6 +150,7 @@ def dense_families() -> dict[str, DenseFamily]:
             layer_tensors=dict(spec["layer_tensors"]),
             optional=frozenset(spec.get("optional", ())),
             shared_target=spec.get("shared_target"),
+            layouts=tuple(spec.get("layouts", ())),
             router_input_norm=spec.get("router_input_norm"),
             assemblies=frozenset(spec["assemblies"]) if "assemblies" in spec else None,
             must_agree=tuple(spec.get("must_agree", ())),
@@ -146,7 +162,8 @@ def dense_families() -> dict[str, DenseFamily]:
 @cache
 def moe_layouts() -> dict[str, MoELayout]:
     def layout(name: str, spec: dict) -> MoELayout:
-        tuples = {key: tuple(spec[key]) for key in ("copied_config",) if key in spec}
+        tuples = {key: tuple(spec[key]) for key in ("copied_config", "zero_biases")
+                  if key in spec}
         fused = {key: {n: tuple(p) for n, p in spec[key].items()}
                  for key in ("fused", "fused_shared") if key in spec}
         return MoELayout(name=name, **{**spec, **tuples, **fused})

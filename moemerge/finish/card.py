@@ -85,11 +85,18 @@ def token_routed_card(recipe: MoERecipe, plan: Plan):
         "",
         f"Non-FFN tensors merged with `{recipe.merge.method}`; router init "
         f"`{recipe.router.init}`"
-        + (f"; shared expert `{recipe.shared_expert}`." if "shared_expert_intermediate_size"
-           in plan.config else "."),
+        + (f"; shared expert: {_shared_text(recipe)}." if recipe.shared_expert != "none"
+           else "."),
         *(f"\n**Note:** {note}" for note in plan.notes),
     ]
     return bases, what, details
+
+
+def _shared_text(recipe: MoERecipe) -> str:
+    shared = recipe.shared_model
+    if shared is not None:
+        return f"the FFN of `{shared.model}`"
+    return "the base's FFN" if recipe.shared_expert == "base" else "the experts' FFN average"
 
 
 def merge_card(recipe: MergeRecipe, plan: Plan):

@@ -43,8 +43,8 @@ LLAMA_CPP_MAX_EXPERTS = 1024
 
 def too_many_experts(config: dict) -> str | None:
     """Why llama.cpp cannot load an MoE of this config's expert count, or None."""
-    count = next((config[key] for key in ("num_local_experts", "num_experts")
-                  if isinstance(config.get(key), int)), 0)
+    keys = dict.fromkeys(layout.num_experts_key for layout in moe_layouts().values())
+    count = next((config[key] for key in keys if isinstance(config.get(key), int)), 0)
     if count > LLAMA_CPP_MAX_EXPERTS:
         return (f"{count} experts per layer: llama.cpp loads at most {LLAMA_CPP_MAX_EXPERTS} "
                 "(LLAMA_MAX_EXPERTS), so no GGUF of this model runs there; transformers loads "
@@ -65,6 +65,12 @@ def check_layout_converts(config: dict) -> None:
                           f"layout ({architecture}); it converts dense merges, upcycles and "
                           f"these token-routed layouts: {converts}. Build without --gguf, or "
                           "from sources that give one of them")
+    if layout is not None and layout.shared_count_key is not None and \
+            not config.get(layout.shared_count_key):
+        raise RecipeError(f"--gguf: llama.cpp's {layout.model_type} graph needs a shared expert "
+                          f"in every MoE layer, and this {layout.name} model has none "
+                          f"({layout.shared_count_key}: null). Give the recipe a shared_expert "
+                          "(base, average or a model), or build without --gguf")
     if (problem := too_many_experts(config)) is not None:
         raise RecipeError(f"--gguf: {problem}. Build without --gguf")
 

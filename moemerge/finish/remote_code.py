@@ -1,4 +1,5 @@
-"""The modeling code of moemerge's own MoE kinds, copied next to the weights.
+"""The modeling code of moemerge's own MoE kinds (and of the DeepSeek-MoE layout, which
+transformers has no class for), copied next to the weights.
 
 config.json's `auto_map` names these files, so `AutoModelForCausalLM.from_pretrained(out,
 trust_remote_code=True)` loads the model with no moemerge installed. They are copied from the
@@ -12,7 +13,8 @@ from importlib import resources
 from pathlib import Path
 
 MODELING_FILES = ("configuration_moemerge.py", "pretrained_moemerge.py", "routing_moemerge.py",
-                  "modeling_moemerge.py", "curvature_moemerge.py", "modeling_merged_moemerge.py")
+                  "modeling_moemerge.py", "curvature_moemerge.py", "modeling_merged_moemerge.py",
+                  "configuration_deepseek.py", "modeling_deepseek.py")
 
 
 def copy_modeling_code(directory: Path) -> None:

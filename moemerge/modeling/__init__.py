@@ -1,5 +1,5 @@
-"""Modeling code of the MoE kinds transformers has no class for (seq_routed, bridged,
-merged_experts).
+"""Modeling code of the MoE kinds and layouts transformers has no class for (seq_routed,
+bridged, merged_experts; the DeepSeek-MoE layout).
 
 The other files here are shipped next to the weights and loaded by transformers with
 trust_remote_code; they import nothing from moemerge. moemerge's own commands call `register()`
@@ -12,20 +12,24 @@ from functools import cache
 
 MODEL_TYPE = "moemerge"
 MERGED_MODEL_TYPE = "moemerge_merged"
+DEEPSEEK_MODEL_TYPE = "deepseek"
 
 
 @cache
 def register() -> None:
-    """Make AutoConfig / AutoModelForCausalLM know model_type 'moemerge' (idempotent)."""
+    """Make AutoConfig / AutoModelForCausalLM know these model types (idempotent)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from moemerge.modeling.configuration_deepseek import DeepseekConfig
     from moemerge.modeling.configuration_moemerge import MoemergeConfig, MoemergeMergedConfig
+    from moemerge.modeling.modeling_deepseek import DeepseekForCausalLM
     from moemerge.modeling.modeling_merged_moemerge import MoemergeMergedForCausalLM
     from moemerge.modeling.modeling_moemerge import MoemergeForCausalLM
 
     for model_type, config, model in ((MODEL_TYPE, MoemergeConfig, MoemergeForCausalLM),
                                       (MERGED_MODEL_TYPE, MoemergeMergedConfig,
-                                       MoemergeMergedForCausalLM)):
+                                       MoemergeMergedForCausalLM),
+                                      (DEEPSEEK_MODEL_TYPE, DeepseekConfig, DeepseekForCausalLM)):
         AutoConfig.register(model_type, config, exist_ok=True)
         AutoModelForCausalLM.register(config, model, exist_ok=True)
 

@@ -46,9 +46,9 @@ def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:
     every layer (the base's own FFN last when include_base_expert), the other tensors are merged
     across the experts, and a router is added to every layer."""
     base = models[0]
-    layout = base.family.moe_layout(base.where(), recipe.shared_expert != "none")
+    layout = base.family.moe_layout(base.where(), recipe.shared_expert != "none", recipe.layout)
     dtype = output_dtype(recipe.output.dtype, base)
-    experts = list(range(1, len(models)))
+    experts = list(range(1, 1 + len(recipe.experts)))  # (a shared expert's model comes last)
     ffn_owners = experts + ([0] if recipe.include_base_expert else [])
     hidden = base.config["hidden_size"]
     refuse_unsupported_tensors(base, layout)
@@ -74,7 +74,8 @@ def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:
                 layer, sources=tuple(Source(m, gates[0]) for m in ffn_owners) if reads else (),
                 base=Source(0, gates[0]) if reads else None, router_init=recipe.router.init,
             ))
-            jobs += shared_expert_jobs(recipe, layout, base, layer, dtype, experts)
+            jobs += shared_expert_jobs(recipe, layout, models, layer, dtype, experts)
+            jobs += zero_biases(layout, base, layer, dtype)
         for index, owner in enumerate(ffn_owners):
             jobs.append(Job(
                 layout.expert_name(layer, index, role.proj), shape, dtype, "copy", "ffn", layer,
@@ -89,7 +90,26 @@ def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:
                 notes=downstream_notes(recipe, layout, len(ffn_owners)))
 
 
+def zero_biases(layout: MoELayout, base: SourceModel, layer: int, dtype) -> list[Job]:
+    """The attention biases the layout has and the source lacks, as zeros (Llama → Qwen2-MoE:
+    a zero bias adds nothing)."""
+    jobs = []
+    for module in layout.zero_biases:
+        name = f"model.layers.{layer}.{module}"
+        if f"{name}.bias" not in base.roles:
+            rows = base.reader.meta(f"{name}.weight").shape[0]
+            jobs.append(Job(f"{name}.bias", (rows,), dtype, "zeros", "attn", layer))
+    return jobs
+
+
 def refuse_unsupported_tensors(base: SourceModel, layout: MoELayout) -> None:
+    held = tuple(f".{module}.bias" for module in layout.zero_biases)
+    unheld = [n for n in base.roles if n.endswith(".bias") and not n.endswith(held)]
+    if held and unheld:
+        raise MismatchError(
+            f"{base.where()} has bias tensors that {layout.architecture} does not hold (e.g. "
+            f"{unheld[0]!r}; it has biases only in {', '.join(layout.zero_biases)}), so it "
+            "cannot become one without losing them")
     if not layout.holds_biases:
         biased = [n for n in base.roles if n.endswith(".bias")]
         if biased:

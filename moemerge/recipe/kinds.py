@@ -102,13 +102,15 @@ def kind_of(recipe) -> Kind:
 
 def labelled_refs(recipe) -> list[tuple[str, object]]:
     """(label, model reference) of every model the recipe reads, in plan order: the base, the
-    reference, then the inputs or experts (a repeated label gets `#index`)."""
+    reference, the inputs or experts, then a shared expert's model (a repeated label gets
+    `#index`)."""
     refs = []
     if getattr(recipe, "base_model", None) is not None:
         refs.append(("base", recipe.base_model))
     if getattr(recipe, "reference", None) is not None:
         refs.append(("reference", recipe.reference))
-    for ref in getattr(recipe, kind_of(recipe).inputs):
+    shared = getattr(recipe, "shared_model", None)  # a shared expert from a model: last
+    for ref in [*getattr(recipe, kind_of(recipe).inputs), *([shared] if shared else [])]:
         label = getattr(ref, "name", None) or Path(ref.model.rstrip("/")).name
         taken = {lab for lab, _ in refs}
         refs.append((label if label not in taken else f"{label}#{len(refs)}", ref))

@@ -137,9 +137,10 @@ def calibration_problem(calibrates: bool, calibration: CalibrationSpec | None,
     return None
 
 
+# mergekit-moe's gate modes, computed as it computes them (routing/prompts.py)
+MERGEKIT_INITS = ("mergekit_hidden", "mergekit_hidden_avg", "mergekit_cheap_embed")
 # router inits that read every expert's positive_prompts
-PROMPTED = ("prompts", "cheap_embed", "mergekit_hidden", "mergekit_hidden_avg",
-            "mergekit_cheap_embed")
+PROMPTED = ("prompts", "cheap_embed", *MERGEKIT_INITS)
 
 
 class RouterSpec(Strict):
@@ -240,11 +241,18 @@ class MoERecipe(_RecipeBase):
         default=False, description="Add the base model's own FFN as one more expert."
     )
     experts_per_token: int = Field(default=2, ge=1)
-    shared_expert: Literal["none", "base", "average"] = Field(
+    shared_expert: Literal["none", "base", "average"] | ExpertRef = Field(
         default="none",
-        description="The always-on shared expert of layouts that have one (Qwen2-MoE): the "
-        "base's FFN, the experts' FFN average, or none (zeros).",
+        description="The always-on shared expert (Qwen2-MoE, DeepSeek-MoE; a Llama base "
+        "becomes a DeepSeek-MoE): the base's FFN, the experts' FFN average, another model's "
+        "FFN (`{model: path, positive_prompts: [...]}`: its prompts set Qwen2-MoE's "
+        "shared_expert_gate under the mergekit_* router inits), or none.",
     )
+    layout: str | None = Field(
+        default=None, description="The output's MoE layout (moemerge/architectures/moe.yaml): "
+        "by default the base family's own (Llama: mixtral, with a shared expert deepseek); a "
+        "Llama base can also be written as qwen2_moe (zero attention biases, a gated shared "
+        "expert).")
     merge: MergeSpec = MergeSpec()
     router: RouterSpec = RouterSpec()
     calibration: CalibrationSpec | None = None
@@ -252,6 +260,19 @@ class MoERecipe(_RecipeBase):
     @property
     def num_experts(self) -> int:
         return len(self.experts) + int(self.include_base_expert)
+
+    @property
+    def shared_model(self) -> ExpertRef | None:
+        """The model whose FFN is the shared expert, when the recipe names one."""
+        return self.shared_expert if isinstance(self.shared_expert, ExpertRef) else None
+
+    @field_validator("shared_expert", mode="before")
+    @classmethod
+    def _shared_expert_named(cls, value: object) -> object:
+        if isinstance(value, str) and value not in ("none", "base", "average"):
+            raise ValueError(f"{value!r} is not none, base or average; another model's FFN is "
+                             f"given as {{model: {value}}}")
+        return value
 
     @model_validator(mode="after")
     def _k_fits(self) -> MoERecipe:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from moemerge.errors import CheckpointError
 from moemerge.loading import load_pretrained
-from moemerge.recipe.models import ExpertRef
+from moemerge.recipe.models import MERGEKIT_INITS, ExpertRef
 from moemerge.routing.init import contrast_rows
 
 
@@ -133,7 +133,7 @@ def _stack_layers(positive, negative, include_base: bool) -> torch.Tensor:
     return torch.stack(per_layer)
 
 
-MERGEKIT_GATES = ("mergekit_hidden", "mergekit_hidden_avg", "mergekit_cheap_embed")
+MERGEKIT_GATES = MERGEKIT_INITS
 
 
 def mergekit_gate_rows(base_dir: Path, experts: list[ExpertRef], init: str, *, layers: int,

@@ -13,6 +13,7 @@ import torch
 
 from moemerge.merge.primitives import zero_pad
 from moemerge.plan.jobs import Job, Source
+from moemerge.plan.shared_expert import shared_gate_from_prompts
 from moemerge.plan.sources import SourceModel
 from moemerge.recipe.kinds import kind_of
 from moemerge.recipe.models import MoERecipe
@@ -28,13 +29,15 @@ Load = Callable[[Source], torch.Tensor]
 
 
 class TokenRouters:
-    """Token routers: `make(job, load)` returns a layer's router [E, H]."""
+    """Token routers: `make(job, load)` returns a layer's router [E, H] (or a shared expert's
+    gate [1, H] from its prompts)."""
 
     def __init__(self, recipe: MoERecipe, models: list[SourceModel]):
         base = models[0]
         self.recipe = recipe
         self.std = recipe.router.std or base.config.get("initializer_range", 0.02)
         self._rows: torch.Tensor | None = None  # [L, E, H] for prompts / cheap_embed
+        self._shared_rows: torch.Tensor | None = None  # [L, 1, H]: a shared gate from prompts
         init, kwargs = recipe.router.init, {
             "include_base": recipe.include_base_expert,
             "max_tokens": recipe.router.max_prompt_tokens,
@@ -47,14 +50,21 @@ class TokenRouters:
             self._rows = embed_router_rows(base.path, recipe.experts, embed, norms, **kwargs)
         elif init in MERGEKIT_GATES:  # as mergekit-moe computes them (an imported config)
             embed = _embed_and_norms(base)[0] if init == "mergekit_cheap_embed" else None
-            rows = mergekit_gate_rows(base.path, recipe.experts, init, embed=embed,
+            # a prompted shared expert's gate row is computed with the experts' (as mergekit)
+            shared = [recipe.shared_model] if shared_gate_from_prompts(recipe) else []
+            rows = mergekit_gate_rows(base.path, [*recipe.experts, *shared], init, embed=embed,
                                       layers=base.config["num_hidden_layers"])
+            if shared:
+                rows, self._shared_rows = rows[:, :-1], rows[:, -1:]
             if recipe.include_base_expert:  # the base expert's row is 0, as in `prompts`
                 rows = torch.cat([rows, rows.new_zeros(rows.shape[0], 1, rows.shape[2])], dim=1)
             self._rows = rows
 
     def make(self, job: Job, load: Load) -> torch.Tensor:
         init = self.recipe.router.init
+        if job.role == "shared_gate":  # plan/shared_expert.py
+            assert self._shared_rows is not None
+            return self._shared_rows[job.layer]
         if init in ("random", "calibrate"):  # calibrate: a placeholder, overwritten once fitted
             return random_router(job.shape, self.std, self.recipe.seed, job.output)
         if init == "task_vector":

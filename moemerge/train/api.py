@@ -236,13 +236,13 @@ def _reports(tmp: Path, cfg: TrainConfig, result: FinetuneResult, blocks: Blocks
     if not router_modules(result.model):  # a dense model trained --full: no routing to show
         return
     config = result.model.config
-    from moemerge.analysis.routing import expert_labels, routing_report
+    from moemerge.analysis.routing import expert_labels, moe_shape, routing_report
     from moemerge.analysis.routing_render import plot, summary_table
 
     texts = {d: tokenizer.decode(blocks.tokens[blocks.eval_ids[blocks.domain[blocks.eval_ids] == i]]
                                  .flatten().tolist())
              for i, d in enumerate(blocks.domains)}
-    n_experts = getattr(config, "num_local_experts", None) or config.num_experts
+    n_experts = moe_shape(config, str(cfg.model))[0]
     labels = expert_labels(Path(cfg.model), n_experts)
     routing = routing_report(result.model, tokenizer, texts, seq_len=cfg.seq_len, labels=labels,
                              name=str(cfg.output))

@@ -77,7 +77,7 @@ def forced(moe, expert: int, dst):
 
 @pytest.mark.parametrize("family,shared", [
     pytest.param(f, "none", marks=needs_class("FlexOlmoForCausalLM")) if f == "olmo2"
-    else (f, "none") for f in TOKEN_ROUTED_FAMILIES] + [("granite", "base")])
+    else (f, "none") for f in TOKEN_ROUTED_FAMILIES] + [("granite", "base"), ("llama", "base")])
 def test_token_routed_expert_is_the_moe_forced_to_it(family, shared, model_factory, tmp_path):
     base = model_factory(family)
     refs = experts(tmp_path, base)  # attention and norms perturbed too: merged != base

@@ -149,6 +149,27 @@ def test_real_conversion_writes_a_mixtral_gguf(tmp_path):
 
 
 @needs_converter
+def test_real_conversion_writes_a_deepseek_gguf_with_its_shared_expert(tmp_path):
+    """A DeepSeek-MoE (a Llama base with `shared_expert: base`) through llama.cpp's converter:
+    its `deepseek` architecture, 3 routed experts and 1 shared one, the shared FFN the base's."""
+    import numpy as np
+    from safetensors.torch import load_file
+
+    recipe = sentencepiece_moe(tmp_path)
+    recipe.write_text(recipe.read_text() + "shared_expert: base\n")
+    code, text = run("build", recipe, tmp_path / "out", "--gguf", "f32")
+    assert code == 0, text
+    reader = gguf_reader(tmp_path / "out" / "model-f32.gguf")
+    assert reader.fields["general.architecture"].contents() == "deepseek"
+    assert int(reader.fields["deepseek.expert_count"].parts[-1][0]) == 3
+    assert int(reader.fields["deepseek.expert_shared_count"].parts[-1][0]) == 1
+    found = {t.name: np.asarray(t.data) for t in reader.tensors}
+    base = load_file(tmp_path / "base" / "model.safetensors")
+    assert np.array_equal(found["blk.1.ffn_up_shexp.weight"],
+                          base["model.layers.1.mlp.up_proj.weight"].numpy())
+
+
+@needs_converter
 def test_a_shrunk_moe_converts_with_its_experts_intact(tmp_path):
     """`moemerge shrink` 4 -> 2 experts, then llama.cpp's converter: the GGUF has 2 experts,
     and every kept expert's weights and each router are the shrunk checkpoint's, bit for bit

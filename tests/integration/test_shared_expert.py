@@ -122,7 +122,7 @@ def test_llama_cpp_top_k_warning(model_factory, tmp_path):
     assert notes == []
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen3"])  # (Llama: DeepSeek-MoE, test_deepseek.py)
 def test_shared_expert_refused_without_a_shared_expert_layout(family, model_factory, tmp_path):
     dense = model_factory(family)
     with pytest.raises(RecipeError, match="shared_expert: 'base'"):

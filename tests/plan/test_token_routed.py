@@ -13,6 +13,8 @@ from plan.fakes import check_plan, fake, plan_from_headers, planned_shapes, save
 LAYOUTS = [  # (source family, recipe's shared_expert, output class)
     ("llama", "none", "MixtralForCausalLM"),
     ("mistral", "none", "MixtralForCausalLM"),
+    ("llama", "base", "DeepseekForCausalLM"),
+    ("mistral", "average", "DeepseekForCausalLM"),
     ("qwen2", "none", "Qwen2MoeForCausalLM"),
     ("qwen2", "base", "Qwen2MoeForCausalLM"),
     ("qwen2", "average", "Qwen2MoeForCausalLM"),
@@ -22,8 +24,9 @@ LAYOUTS = [  # (source family, recipe's shared_expert, output class)
     ("granite", "base", "GraniteMoeSharedForCausalLM"),
     ("granite", "average", "GraniteMoeSharedForCausalLM"),
 ]
-CASES = [pytest.param(*case, marks=needs_class(case[2]), id=f"{case[0]}-{case[1]}")
-         for case in LAYOUTS]
+SHIPPED = {"DeepseekForCausalLM"}  # moemerge's own modeling code, not transformers'
+CASES = [pytest.param(*case, marks=() if case[2] in SHIPPED else needs_class(case[2]),
+                      id=f"{case[0]}-{case[1]}") for case in LAYOUTS]
 # the routed experts' tensors as written: (pattern of {layer} {expert}, projection names) or,
 # for GraniteMoE's fused experts, {fused tensor: projections, each expert's rows stacked}
 EXPERTS = {
@@ -32,6 +35,7 @@ EXPERTS = {
     "Qwen2MoeForCausalLM": ("model.layers.{layer}.mlp.experts.{expert}.{proj}.weight", None),
     "Qwen3MoeForCausalLM": ("model.layers.{layer}.mlp.experts.{expert}.{proj}.weight", None),
     "FlexOlmoForCausalLM": ("model.layers.{layer}.mlp.experts.{expert}.{proj}.weight", None),
+    "DeepseekForCausalLM": ("model.layers.{layer}.mlp.experts.{expert}.{proj}.weight", None),
     "GraniteMoeForCausalLM": {"model.layers.{layer}.block_sparse_moe.input_linear.weight":
                               ("gate", "up"),
                               "model.layers.{layer}.block_sparse_moe.output_linear.weight":
@@ -192,10 +196,40 @@ def test_families_no_moe_class_computes_are_refused(family):
         planned(family)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2"])
+@pytest.mark.parametrize("family", ["qwen3", "olmo2"])
 def test_a_shared_expert_needs_a_layout_that_has_one(family):
     with pytest.raises(RecipeError, match="shared_expert: 'base' needs an output layout"):
         planned(family, "base")
+
+
+def test_a_shared_expert_from_a_model_reads_the_last_model():
+    checkpoints = {name: fake("llama") for name in ("base", "e1", "e2", "e3", "s")}
+    for layout, gate in (("deepseek", None), ("qwen2_moe", "random")):
+        plan, models = plan_from_headers(recipe({"model": "s"}, layout=layout), checkpoints)
+        check_plan(plan, models)
+        assert plan.labels == ["base", "e1", "e2", "e3", "s"]
+        assert planned_shapes(plan) == saved_shapes(plan.config)
+        jobs = {j.output: j for j in plan.jobs if j.layer == 1 and ".shared_expert" in j.output}
+        for proj in ("gate", "up", "down"):
+            job = next(j for n, j in jobs.items() if n.endswith(f".{proj}_proj.weight"))
+            assert job.kind == "copy" and job.sources == (Source(4, dense_ffn(1, proj)),)
+        gates = [j.kind for n, j in jobs.items() if n.endswith("shared_expert_gate.weight")]
+        assert gates == ([gate] if gate else [])
+        routers = [j for j in plan.jobs if j.kind == "router"]
+        assert all(s.model in (1, 2, 3) for j in routers for s in j.sources)  # not the shared
+
+
+def test_deepseek_without_a_shared_expert_and_qwen2_moe_from_llama():
+    plan, models = planned("llama", layout="deepseek")
+    check_plan(plan, models)
+    assert plan.config["n_shared_experts"] is None and plan.config["moe_intermediate_size"] == 64
+    assert not [j for j in plan.jobs if "shared" in j.output]
+    assert planned_shapes(plan) == saved_shapes(plan.config)
+    plan, models = planned("llama", layout="qwen2_moe")
+    assert planned_shapes(plan) == saved_shapes(plan.config)
+    biases = [j for j in plan.jobs if j.output.endswith(".bias")]
+    assert len(biases) == 6 and all(j.kind == "zeros" for j in biases)  # q, k, v × 2 layers
+    assert {j.shape for j in biases} == {(32,), (16,)}  # q: 4 heads × 8; k, v: 2 × 8
 
 
 

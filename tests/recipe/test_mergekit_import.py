@@ -197,6 +197,27 @@ def test_moe_maps_gate_mode_and_copies_the_base():
         assert gated.recipe["router"] == {"init": init}, mode
 
 
+@pytest.mark.parametrize("extra, layout", [
+    ("shared_experts: [{source_model: s/x}]\n", None),  # the family's: Llama → DeepSeek-MoE
+    ("architecture: deepseek\nshared_experts: [{source_model: s/x}]\n", "deepseek"),
+    ("shared_experts: [{source_model: s/x, positive_prompts: [p]}]\n", "qwen2_moe"),
+    ("architecture: Qwen\nshared_experts: [{source_model: s/x, positive_prompts: [p]}]\n",
+     "qwen2_moe"),
+    ("architecture: deepseek\n", "deepseek"),
+    ("architecture: qwen3\n", "qwen3_moe"),
+])
+def test_moe_shared_experts_and_architecture_pick_the_layout(extra, layout):
+    """mergekit-moe's choice of output: DeepSeek when the shared expert is ungated (no
+    prompts), Qwen when its gate comes from prompts; `architecture:` names one."""
+    r = imported(MOE + extra).recipe
+    assert r.get("layout") == layout
+    shared = yaml.safe_load(extra).get("shared_experts")
+    if shared:
+        assert r["shared_expert"]["model"] == "s/x"
+        assert r["shared_expert"].get("positive_prompts") == shared[0].get("positive_prompts")
+    assert parse_recipe(r).shared_expert != "none" or not shared  # a valid moemerge recipe
+
+
 def test_karcher_drops_weights_mergekit_ignores():
     result = imported(KARCHER.replace("{model: a/x}", "{model: a/x, parameters: {weight: 3}}"))
     assert result.recipe["models"] == [{"model": "a/x"}, {"model": "b/y"}]
@@ -329,12 +350,18 @@ base_model: base/model
     (LINEAR + "modules: {text: {}}\n", "modules: per-module configs"),
     (LINEAR + "sliced: true\n", "sliced: not a mergekit-yaml key"),
     (TASK_ARITHMETIC.replace("lambda: 0.8", "t: 0.8"), "task_arithmetic in moemerge takes no 't'"),
-    (MOE + "shared_experts: [{source_model: x}]\n",
-     "shared_experts: cannot be imported: a moemerge recipe has no shared expert"),
+    (MOE + "shared_experts: [{source_model: x}, {source_model: y}]\n",
+     "mergekit-moe writes at most one shared expert"),
+    (MOE + "architecture: deepseek\nshared_experts: [{source_model: x, positive_prompts: [p]}]\n",
+     "DeepSeek output adds its shared expert ungated"),
+    (MOE + "architecture: qwen\nshared_experts: [{source_model: x}]\n",
+     "sets the shared expert's gate from its positive_prompts"),
+    (MOE + "architecture: mixtral\nshared_experts: [{source_model: x}]\n",
+     "mixtral output has no shared expert"),
     (MOE.replace("gate_mode: hidden", "gate_mode: uniform_random"), "uniform_random"),
     (MOE.replace('positive_prompts: ["math"]', 'noise_scale: 0.1\n    positive_prompts: [m]'),
      "noise_scale"),
-    (MOE.replace("dtype: bfloat16", "architecture: deepseek"), "deepseek"),
+    (MOE.replace("dtype: bfloat16", "architecture: grok"), "architecture: 'grok' is not one"),
     (SLERP.replace("sources:", "parameters: {t: 0.1}\n    sources:", 1), "per-slice parameters"),
 ])
 def test_unsupported_features_are_clear_errors(text, message):

@@ -118,10 +118,12 @@ def expert_ffn(reader: CheckpointReader, layout: MoELayout, layer: int, expert: 
 
 def shared_ffn(reader: CheckpointReader, layout: MoELayout, layer: int, proj: str
                ) -> Part | None:
-    """The shared expert's projection when it must be added (GraniteMoeShared's, ungated),
+    """The shared expert's projection when it must be added (DeepSeek-MoE's and
+    GraniteMoeShared's, ungated),
     None when it adds nothing (a zeroed one behind a gate); refuses a gated non-zero one."""
-    if layout.shared_expert is None:
-        return None
+    if layout.shared_expert is None or (layout.shared_count_key is not None
+                                        and layout.shared_name(layer, proj) not in reader):
+        return None  # (DeepSeek-MoE may have none)
     part = _fused_part(reader, layout.fused_shared, layer, proj, None)
     if part is None:
         name = layout.shared_name(layer, proj)

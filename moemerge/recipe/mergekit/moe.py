@@ -14,22 +14,24 @@ KEYS = {"base_model", "experts", "gate_mode", "dtype", "experts_per_token", "sha
 GATES = {"hidden": "mergekit_hidden", "hidden_last": "mergekit_hidden",
          "hidden_avg": "mergekit_hidden_avg", "cheap_embed": "mergekit_cheap_embed",
          "random": "random"}
-ARCHITECTURES = (None, "mixtral", "qwen")
+# mergekit-moe's `architecture:` (a prefix of its output's name) as moemerge layouts; None:
+# the base family's own (with a shared expert: DeepSeek-MoE for Llama / Mistral, as mergekit
+# picks it first, Qwen2-MoE for Qwen2)
+ARCHITECTURES = {None: None, "mixtral": "mixtral", "deepseek": "deepseek", "qwen": None,
+                 "qwen3": "qwen3_moe"}
 
 
 def convert_moe(data: dict, notes: list[str]) -> dict:
     unknown = sorted(set(data) - KEYS)
     if unknown:
         raise RecipeError(f"{', '.join(unknown)}: not a mergekit-moe key moemerge knows")
-    if data.get("shared_experts"):
-        raise RecipeError("shared_experts: cannot be imported: a moemerge recipe has no shared "
-                          "expert taken from any model (its shared_expert is the base's FFN, the "
-                          "experts' average or none) nor mergekit-moe's prompt-based "
-                          "shared_expert_gate; dropping "
-                          "it would build a different model (docs/mergekit.md)")
-    if data.get("architecture") not in ARCHITECTURES:
-        raise RecipeError(f"architecture: {data['architecture']!r} cannot be imported; moemerge "
-                          "writes Mixtral (Llama / Mistral sources) or Qwen MoEs (Qwen sources)")
+    architecture = data.get("architecture")
+    if isinstance(architecture, str):
+        architecture = architecture.lower()
+    if architecture not in ARCHITECTURES:
+        raise RecipeError(f"architecture: {data['architecture']!r} is not one of mergekit-moe's "
+                          "outputs moemerge writes: " + ", ".join(a for a in ARCHITECTURES if a))
+    shared, layout = _shared_expert(data, architecture)
     if data.get("tokenizer"):
         raise RecipeError("tokenizer: vocabulary surgery cannot be imported")
     gate = data.get("gate_mode", "hidden")
@@ -57,6 +59,10 @@ def convert_moe(data: dict, notes: list[str]) -> dict:
     recipe["base_model"] = model_ref(data["base_model"])
     recipe["experts"] = experts
     recipe["experts_per_token"] = _experts_per_token(data.get("experts_per_token", 2))
+    if shared is not None:
+        recipe["shared_expert"] = shared
+    if layout is not None:
+        recipe["layout"] = layout
     recipe["merge"] = {"method": "base"}
     recipe["router"] = router
     if data.get("dtype"):
@@ -70,8 +76,37 @@ def convert_moe(data: dict, notes: list[str]) -> dict:
     return recipe
 
 
-def _expert(data: dict, i: int) -> dict:
-    where = f"experts.{i}"
+def _shared_expert(data: dict, architecture: str | None) -> tuple[dict | None, str | None]:
+    """(the recipe's shared_expert, its layout) from `shared_experts` and `architecture`, as
+    mergekit-moe picks its output: DeepSeek-MoE when the shared expert has no prompts (its
+    shared FFN is ungated), Qwen2-MoE when it has (its gate is set from them)."""
+    layout = ARCHITECTURES[architecture]
+    found = data.get("shared_experts") or []
+    if not isinstance(found, list) or len(found) > 1:
+        raise RecipeError("shared_experts: mergekit-moe writes at most one shared expert (its "
+                          "DeepSeek and Qwen outputs refuse more); give one")
+    if not found:
+        return None, layout
+    if architecture in ("mixtral", "qwen3"):
+        raise RecipeError(f"shared_experts: mergekit-moe's {architecture} output has no shared "
+                          "expert; use architecture: deepseek or qwen, or remove shared_experts")
+    shared = _expert(found[0], 0, "shared_experts")
+    prompted = bool(shared.get("positive_prompts"))
+    if architecture == "deepseek" and prompted:
+        raise RecipeError("shared_experts.0.positive_prompts: mergekit-moe's DeepSeek output "
+                          "adds its shared expert ungated, so prompts set nothing; remove them, "
+                          "or use architecture: qwen (a gate set from them)")
+    if architecture == "qwen" and not prompted and data.get("gate_mode") != "random":
+        raise RecipeError("shared_experts.0: mergekit-moe's Qwen output sets the shared "
+                          "expert's gate from its positive_prompts; give some, or use "
+                          "architecture: deepseek (an ungated shared expert)")
+    if architecture == "qwen" or prompted:
+        layout = "qwen2_moe"
+    return shared, layout
+
+
+def _expert(data: dict, i: int, field: str = "experts") -> dict:
+    where = f"{field}.{i}"
     if data.get("noise_scale"):
         raise RecipeError(f"{where}.noise_scale: adding noise to an expert's weights cannot be "
                           "imported (it would silently differ); remove it")
