@@ -293,6 +293,8 @@ class _Build:
         """Everything beside the tensors: config, tokenizer, modeling code, recipe, card."""
         (dest / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
         copy_side_files(tokenizer_dir, dest, SIDE_FILES)
+        if plan.tokenizer is not None:  # a merged vocabulary (plan/tokens.py)
+            (dest / "tokenizer.json").write_text(plan.tokenizer)
         if self.kind.remote_code or "auto_map" in plan.config:  # (a DeepSeek-MoE layout)
             copy_modeling_code(dest)
         (dest / RECIPE_COPY).write_text(recipe_text)

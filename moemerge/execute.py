@@ -52,6 +52,11 @@ def compute(job: Job, load: Load, make_router: MakeRouter | None, seed: int,
     """The output tensor of one job, in the job's dtype, on the CPU. A merge's arithmetic runs
     on `device` (its inputs are moved there and the result back); reading, routers, random
     draws and writing stay on the host."""
+    if job.vocab is not None:  # every model's rows re-indexed to the output vocabulary first
+        aligned = job.vocab.align({s.model: load(s) for s in job.context})
+
+        def load(source: Source) -> torch.Tensor:
+            return aligned[source.model]
     if job.kind == "copy":
         out = load(job.sources[0])
     elif job.kind == "zeros":
@@ -120,7 +125,7 @@ def take(source: Source, read: Read) -> torch.Tensor:
 
 def byte_copy(job: Job, stored: Stored | None) -> TensorMeta | None:
     """The stored tensor a copy job passes through unchanged, if its bytes are the output's."""
-    if job.kind != "copy" or stored is None:
+    if job.kind != "copy" or stored is None or job.vocab is not None:
         return None
     source = job.sources[0]
     if source.rows is not None or source.change is not None:

@@ -110,6 +110,10 @@ def merge_card(recipe: MergeRecipe, plan: Plan):
         details = ["| slice | sources (layers [start, end)) |", "|---|---|",
                    *(f"| {i} | " + ", ".join(f"{s.model} {list(s.layers)}" for s in sl.sources)
                      + " |" for i, sl in enumerate(recipe.slices))]
+    aligned = next((job.vocab for job in plan.jobs if job.vocab is not None), None)
+    if aligned is not None:  # a merged vocabulary (plan/tokens.py)
+        details += ["", f"Vocabulary (`tokenizer: {recipe.tokenizer.source}`): embedding and "
+                        f"head {aligned.describe()}."]
     return bases, what, details
 
 

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from moemerge.architectures import MoELayout
 from moemerge.architectures.config import dense_config, moe_config
 from moemerge.errors import MismatchError
@@ -18,6 +20,7 @@ from moemerge.plan.shared_expert import (
 )
 from moemerge.plan.slices import plan_slices
 from moemerge.plan.sources import SourceModel
+from moemerge.plan.tokens import output_vocabulary
 from moemerge.recipe.models import MergeRecipe, MoERecipe
 
 
@@ -38,7 +41,15 @@ def plan_merge(recipe: MergeRecipe, models: list[SourceModel]) -> Plan:
                     ref.roles[name], ref.config)  # Phi-3: q, k, v (gate, up) merged apart
         for name in write_order(ref.roles)
     ]
-    return Plan([m.label for m in models], jobs, dense_config(ref.config, dtype))
+    config = dense_config(ref.config, dtype)
+    if recipe.tokenizer is None:
+        return Plan([m.label for m in models], jobs, config)
+    tokenizer, alignment = output_vocabulary(recipe, models)
+    jobs = [replace(job, shape=(alignment.size, *job.shape[1:]), vocab=alignment,
+                    context=tuple(Source(m, job.output) for m in range(len(models))))
+            if job.role in ("embed", "lm_head") else job for job in jobs]
+    config["vocab_size"] = alignment.size
+    return Plan([m.label for m in models], jobs, config, tokenizer=tokenizer)
 
 
 def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:

@@ -74,11 +74,16 @@ class Job:
     router_init: str | None = None
     std: float | None = None  # kind random
     parts: tuple[tuple[Job, ...], ...] = ()  # kind fuse
+    # an embedding or head merged over differing vocabularies: every model's rows (`context`)
+    # are aligned to the output's by `vocab` (plan/tokens.py VocabularyAlignment) first, and the
+    # job's sources read the aligned rows
+    vocab: object | None = None
+    context: tuple[Source, ...] = ()
 
     @property
     def inputs(self) -> list[Source]:
-        """Every tensor the job reads: its sources, then its base."""
-        own = [*self.sources, *([self.base] if self.base is not None else [])]
+        """Every tensor the job reads: its sources, its base, then its context."""
+        own = [*self.sources, *([self.base] if self.base is not None else []), *self.context]
         return own + [s for group in self.parts for part in group for s in part.inputs]
 
     @property
@@ -94,6 +99,7 @@ class Plan:
     jobs: list[Job]
     config: dict
     notes: list[str] = field(default_factory=list)  # build warns each; the model card lists them
+    tokenizer: str | None = None  # the output's tokenizer.json when the plan makes one
     resident_bytes: int = 0  # what the sources' changes hold between jobs (the memory estimate)
 
     @property
@@ -127,4 +133,6 @@ class Plan:
             how = job.kind
         if job.router_init == "calibrate":
             how += " (a placeholder here: fitted on the written model)"
+        if job.vocab is not None:
+            how += f"; {job.vocab.describe()}"
         return how

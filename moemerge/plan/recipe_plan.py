@@ -17,7 +17,8 @@ def open_and_plan(recipe: AnyRecipe, recipe_dir: Path | None, *, allow_pickle: b
                   stack: ExitStack) -> tuple[list[SourceModel], Plan]:
     """(the recipe's models, open until `stack` closes; its plan)."""
     models = open_sources(labelled_refs(recipe), recipe_dir, allow_pickle=allow_pickle,
-                          stack=stack, compatible=kind_of(recipe).uniform)
+                          stack=stack, compatible=kind_of(recipe).uniform,
+                          vocabularies=not getattr(recipe, "merges_vocabularies", False))
     return models, make_plan(recipe, models)
 
 

@@ -113,10 +113,13 @@ def open_sources(
     allow_pickle: bool,
     stack: ExitStack,
     compatible: bool = True,
+    vocabularies: bool = True,
 ) -> list[SourceModel]:
     """Open every (label, ref) model; the readers are closed by `stack`. With `compatible`,
     check_compatible (one architecture, same shapes) says whether they can be combined;
-    bridged experts may differ in both (their plan checks what it needs)."""
+    bridged experts may differ in both (their plan checks what it needs). `vocabularies`
+    False: the vocabularies (tokenizers, embedding and head rows) may differ (a dense merge
+    with a `tokenizer:` block aligns them)."""
     models = []
     for (label, _), path in zip(refs, resolve_refs(refs, recipe_dir), strict=True):
         reader = stack.enter_context(CheckpointReader(path, allow_pickle=allow_pickle))
@@ -136,12 +139,13 @@ def open_sources(
                             {n: m.shape for n, m in reader.metas.items()}, f"{label}: {path}")
         models.append(SourceModel(label, path, reader, family, roles))
     if compatible:
-        check_compatible(models)
+        check_compatible(models, vocabularies)
     return models
 
 
-def check_compatible(models: list[SourceModel]) -> None:
-    """Same family, same config shape keys, same tensor names and shapes, same vocabulary."""
+def check_compatible(models: list[SourceModel], vocabularies: bool = True) -> None:
+    """Same family, same config shape keys, same tensor names and shapes, same vocabulary
+    (`vocabularies` False: the vocabulary and the embedding and head rows may differ)."""
     ref = models[0]
     for other in models[1:]:
         if other.family.name != ref.family.name:
@@ -151,23 +155,28 @@ def check_compatible(models: list[SourceModel]) -> None:
                 "must share one architecture"
             )
         for key in (*MUST_AGREE, *ref.family.must_agree):
+            if key == "vocab_size" and not vocabularies:
+                continue
             a, b = ref.config.get(key), other.config.get(key)
             if a != b and not (key == "tie_word_embeddings" and not a and not b):
                 raise MismatchError(
                     f"config mismatch: {key} is {a!r} in {ref.where()} but {b!r} in "
                     f"{other.where()}"
                 )
-        _check_tensors(ref, other)
-        _check_vocab(ref, other)
+        _check_tensors(ref, other, vocabularies)
+        if vocabularies:
+            _check_vocab(ref, other)
 
 
-def _check_tensors(ref: SourceModel, other: SourceModel) -> None:
+def _check_tensors(ref: SourceModel, other: SourceModel, vocabularies: bool = True) -> None:
     for name in ref.reader.names():
         if name not in other.reader:
             raise MismatchError(
                 f"tensor {name!r} is in {ref.where()} but missing from {other.where()}"
             )
         a, b = ref.reader.meta(name).shape, other.reader.meta(name).shape
+        if not vocabularies and ref.roles[name].role in ("embed", "lm_head"):
+            a, b = a[1:], b[1:]  # rows: one per token of each model's own vocabulary
         if a != b:
             hint = ""
             if ref.roles[name].role in ("embed", "lm_head") and a[1:] == b[1:]:

@@ -58,7 +58,8 @@ class Kind:
 
 KINDS = (
     Kind("merge", "merge", MergeRecipe, "one dense model merged from several", "inputs",
-         "plan.build:plan_merge", "finish.card:merge_card", moe=False, tunable=True, gguf=True),
+         "plan.build:plan_merge", "finish.card:merge_card", moe=False, tunable=True, gguf=True,
+         tokenizer=lambda recipe: recipe.tokenizer_index),
     Kind("token_routed", "moe", MoERecipe,
          "a token-routed MoE (Mixtral / Qwen-MoE layout) from dense experts", "experts",
          "plan.build:plan_token_routed", "finish.card:token_routed_card",

@@ -199,6 +199,57 @@ class _RecipeBase(Strict):
         return self
 
 
+class TokenFrom(Strict):
+    """One row of a model's embedding or head: its row of `token` (a string of its own
+    vocabulary) or of `token_id`."""
+
+    model: str = Field(min_length=1, description="One of the recipe's models, as written there.")
+    token: str | None = None
+    token_id: int | None = Field(default=None, ge=0, le=2**40)
+
+    @model_validator(mode="after")
+    def _one_of(self) -> TokenFrom:
+        if (self.token is None) == (self.token_id is None):
+            raise ValueError("give token or token_id (one of them)")
+        return self
+
+
+class TokenEmbedding(Strict):
+    """Where an output token's embedding and head rows come from in every merged model that
+    lacks it (with `force`: in every model): `zero`, a model's own row of the token (the
+    model as written in the recipe), or another token's row of a model."""
+
+    source: Literal["zero"] | str | TokenFrom | None = None
+    force: bool = Field(default=False, description="Use `source` even in models that have the "
+                        "token.")
+
+
+class TokenizerSpec(Strict):
+    """The output's vocabulary (mergekit's `tokenizer:`; plan/tokens.py): every model's
+    embedding and head rows are re-indexed to it by token string before the merge."""
+
+    source: str = Field(default="union", min_length=1, description="union (every model's "
+                        "tokens: the base's, then each model's new ones), base (the base "
+                        "model's, or the first model's), or one of the recipe's models.")
+    tokens: dict[str, TokenEmbedding] = Field(default_factory=dict, description="Tokens added "
+                                              "to the vocabulary when missing, and where their "
+                                              "rows come from.")
+    pad_to_multiple_of: int | None = Field(default=None, ge=1, le=2**20, description="Rows "
+                                           "added (each the mean of the others) up to a "
+                                           "multiple of this.")
+
+    def models_named(self) -> list[str]:
+        """Every model this block names (source, tokens' sources)."""
+        named = [] if self.source in ("union", "base") else [self.source]
+        for entry in self.tokens.values():
+            source = entry.source
+            if isinstance(source, TokenFrom):
+                named.append(source.model)
+            elif isinstance(source, str) and source != "zero":
+                named.append(source)
+        return named
+
+
 class MergeRecipe(_RecipeBase):
     """`kind: merge`: N dense models of one architecture become one dense model."""
 
@@ -209,11 +260,29 @@ class MergeRecipe(_RecipeBase):
     slices: list[Slice] | None = Field(default=None, description="The output's layers as "
                                        "slices of the inputs' (moemerge/recipe/slices.py).")
     merge: MergeSpec = MergeSpec()
+    tokenizer: TokenizerSpec | None = Field(default=None, description="The output's "
+                                            "vocabulary when the models' differ, or to add "
+                                            "tokens (mergekit's `tokenizer:`); default: the "
+                                            "base's (or first model's), which all must share.")
 
     @property
     def inputs(self) -> list[ModelRef]:
         """The checkpoints merged: `models`, or those the slices read."""
         return slice_models(self.slices) if self.slices else self.models
+
+    @property
+    def tokenizer_index(self) -> int:
+        """The model (plan order: the base first) whose tokenizer files the output starts
+        from: the tokenizer block's source model, else the first."""
+        if self.tokenizer is None or self.tokenizer.source in ("union", "base"):
+            return 0
+        refs = ([self.base_model] if self.base_model is not None else []) + list(self.models)
+        return next(i for i, r in enumerate(refs) if r.model == self.tokenizer.source)
+
+    @property
+    def merges_vocabularies(self) -> bool:
+        """The models' vocabularies may differ: their rows are aligned to the output's."""
+        return self.tokenizer is not None
 
     @model_validator(mode="after")
     def _methods_fit(self) -> MergeRecipe:
@@ -225,6 +294,8 @@ class MergeRecipe(_RecipeBase):
         problems = [p for n in counts for p in method_problems(
             self.merge, n, has_base=self.base_model is not None, moe=False)]
         problems += own_setting_problems(self)
+        if self.tokenizer is not None:
+            problems += tokenizer_problems(self)
         if problems:
             raise ValueError("; ".join(dict.fromkeys(problems)))
         return self
@@ -309,6 +380,18 @@ def merge_inputs(recipe: MergeRecipe) -> list[tuple[str, MergeInput]]:  # type: 
         return [(f"slices.{i}.sources.{j}", src) for i, s in enumerate(recipe.slices)
                 for j, src in enumerate(s.sources)]
     return [(f"models.{i}", m) for i, m in enumerate(recipe.models)]
+
+
+def tokenizer_problems(recipe: MergeRecipe) -> list[str]:
+    """A tokenizer block on slices, or naming a model the recipe does not merge."""
+    assert recipe.tokenizer is not None
+    if recipe.slices:
+        return ["tokenizer: a merged vocabulary with `slices` is not supported; merge `models`"]
+    known = {m.model for m in recipe.models} | (
+        {recipe.base_model.model} if recipe.base_model is not None else set())
+    return [f"tokenizer: model {name!r} is not one of the recipe's models ("
+            + ", ".join(sorted(known)) + ")"
+            for name in dict.fromkeys(recipe.tokenizer.models_named()) if name not in known]
 
 
 def own_setting_problems(recipe: MergeRecipe) -> list[str]:
