@@ -171,7 +171,7 @@ def shared_row(root: Path, bin_dir: Path, models, architecture: str, prompts) ->
     layout = converted.recipe["layout"]
     print(f"mergekit-moe (shared expert, {architecture})  {delta:.3g}", flush=True)
     what = "ungated" if prompts is None else "gate from its prompts"
-    return {"method": f"mergekit-moe, 2 experts + a shared expert ({what}), architecture "
+    return {"method": f"mergekit-moe, 3 experts + a shared expert ({what}), architecture "
                       f"{architecture}, gate_mode hidden (routers and shared gate included)",
             "mergekit": "mergekit-moe", "options": "the recipe import-mergekit writes (merge: "
             f"base, router.init mergekit_hidden, shared_expert: {{model}}, layout: {layout})",
@@ -214,6 +214,104 @@ def moe_row(root: Path, bin_dir: Path, models, gate: str) -> dict:
     return {"method": f"mergekit-moe, 3 experts, gate_mode {gate} (routers included)",
             "mergekit": "mergekit-moe", "options": f"the recipe import-mergekit writes "
             f"(merge: base, router.init {init})", "max_abs_delta": max(delta, router_delta)}
+
+
+def with_tokens(src: Path, dst: Path, tokens: list[str], seed: int) -> Path:
+    """A copy of model `src` whose tokenizer has `tokens` appended, each with random embedding
+    and head rows, its vocab_size grown to the tokenizer's (cut to it: no padding rows)."""
+    from tokenizers import Tokenizer
+
+    dst.mkdir()
+    for side in src.iterdir():
+        (dst / side.name).write_bytes(side.read_bytes())
+    tok = Tokenizer.from_file(str(dst / "tokenizer.json"))
+    tok.add_tokens(tokens)
+    tok.save(str(dst / "tokenizer.json"))
+    size = tok.get_vocab_size(with_added_tokens=True)
+    tensors = load_file(dst / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        old = tensors[name]
+        rows = 0.02 * torch.randn((size, old.shape[1]), generator=gen)
+        keep = min(len(old), size)
+        rows[:keep] = old[:keep]
+        tensors[name] = rows
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "vocab_size": size}))
+    return dst
+
+
+VOCAB_CASES = [  # (name, mergekit config body beside `models` / `base_model`)
+    ("linear, tokenizer_source: union (3 vocabularies)",
+     {"merge_method": "linear", "tokenizer_source": "union"}, False),
+    ("linear, tokenizer_source: base (one tokenizer of 300 tokens, vocab_size 512)",
+     {"merge_method": "linear", "tokenizer_source": "base"}, "same"),
+    # (not source: base with tokens: mergekit 0.1.5 adds the tokens to the base's own tokenizer
+    # object, so the base "has" each at its new id and gives the row of its embedding there:
+    # docs/mergekit.md)
+    ("task_arithmetic, tokenizer: {source: union, tokens: zero / model_token forced / model}, "
+     "pad_to_multiple_of 64",
+     {"merge_method": "task_arithmetic", "parameters": {"lambda": 1.0},
+      "tokenizer": {"source": "union", "pad_to_multiple_of": 64, "tokens": {
+          "<new>": {"source": {"kind": "zero"}},
+          "<|im_end|>": {"source": {"kind": "model_token", "model": "@0", "token": "e"},
+                         "force": True},
+          "QQQ": {"source": "@2"}}}}, True),
+]
+
+
+def vocab_rows(root: Path, bin_dir: Path, models) -> list[dict]:
+    """mergekit's tokenizer merge against the recipe import-mergekit writes: the same
+    vocabulary (as token strings: mergekit appends a union's new tokens in a hash map's order,
+    run to run different), each token's embedding and head rows, every other tensor."""
+    from tokenizers import Tokenizer
+
+    from moemerge.recipe.mergekit import convert, render
+
+    own = [with_tokens(models[1], root / "vocab-b", ["<think>", "</think>"], 7),
+           with_tokens(models[2], root / "vocab-c", ["<think>", "QQQ"], 8)]
+    rows = []
+    for name, body, with_base in VOCAB_CASES:
+        merged = [models[1], models[2], models[3]] if with_base == "same" else \
+            [models[1], *own]
+        body = json.loads(json.dumps(body).replace('"@0"', json.dumps(str(merged[0])))
+                          .replace('"@2"', json.dumps(str(merged[2]))))
+        config = {**body, "dtype": "float32",
+                  "models": [{"model": str(m), "parameters": {"weight": w}}
+                             for m, w in zip(merged, (1.0, 0.6, 1.4), strict=True)]}
+        if with_base is True:
+            config["base_model"] = str(models[0])
+        elif with_base == "same":
+            config["base_model"] = str(merged[0])
+        text = yaml.safe_dump(config)
+        key = f"vocab-{len(rows)}"
+        mk = run_mergekit(root, bin_dir, key, text)
+        recipe = root / f"{key}.moemerge.yaml"
+        recipe.write_text(render(convert(yaml.safe_load(text)), f"{key}.mergekit.yaml"))
+        build(recipe, root / f"{key}.moemerge", progress=False, force=True, verify="structure")
+        ours = {k: v for f in sorted((root / f"{key}.moemerge").glob("*.safetensors"))
+                for k, v in load_file(f).items()}
+        vocabs = [Tokenizer.from_file(str(root / f"{key}.{tool}" / "tokenizer.json"))
+                  .get_vocab(with_added_tokens=True) for tool in ("mergekit", "moemerge")]
+        assert set(vocabs[0]) == set(vocabs[1]), set(vocabs[0]) ^ set(vocabs[1])
+        assert {k: v.shape for k, v in mk.items()} == {k: v.shape for k, v in ours.items()}
+        delta = 0.0
+        for tensor in mk:
+            if tensor in ("model.embed_tokens.weight", "lm_head.weight"):
+                for token, i in vocabs[0].items():
+                    j = vocabs[1][token]
+                    delta = max(delta, (mk[tensor][i] - ours[tensor][j]).abs().max().item())
+                pad = len(vocabs[0])  # padding rows: the mean of the token rows in both
+                delta = max(delta, (mk[tensor][pad:] - ours[tensor][pad:]).abs().max().item()
+                            if len(mk[tensor]) > pad else 0.0)
+            else:
+                delta = max(delta, (mk[tensor] - ours[tensor]).abs().max().item())
+        rows.append({"method": name, "mergekit": body["merge_method"],
+                     "options": "the recipe import-mergekit writes (tokenizer: ..., rows "
+                     "compared by token string)", "max_abs_delta": delta})
+        print(f"{name[:40]:40s} {delta:.3g} ({len(vocabs[0])} tokens)", flush=True)
+    return rows
 
 
 def statistics(out: dict, base: dict, tuned: dict) -> dict:
@@ -298,6 +396,7 @@ def main() -> None:
                 "layers": opts.layers, "params": params}
         exact = exact_rows(root, bin_dir, model_sets)
         exact += moe_rows(root, bin_dir, models)
+        exact += vocab_rows(root, bin_dir, models)
         randoms = random_rows(root, bin_dir, models)
     report(meta, exact, randoms)
 

@@ -218,6 +218,25 @@ def test_moe_shared_experts_and_architecture_pick_the_layout(extra, layout):
     assert parse_recipe(r).shared_expert != "none" or not shared  # a valid moemerge recipe
 
 
+def test_tokenizer_source_and_block_become_the_recipes_tokenizer():
+    union = imported(LINEAR + "tokenizer_source: union\n").recipe
+    assert union["tokenizer"] == {"source": "union"}
+    block = imported(LINEAR + "tokenizer:\n  source: psmathur/orca_mini_v3_13b\n"
+                     "  pad_to_multiple_of: 64\n  tokens:\n"
+                     "    <|im_start|>: {source: {kind: zero}}\n"
+                     "    <|im_end|>: {source: {kind: model_token, model: "
+                     "psmathur/orca_mini_v3_13b, token: '</s>'}, force: true}\n"
+                     "    <x>: {source: psmathur/orca_mini_v3_13b}\n").recipe
+    assert block["tokenizer"] == {
+        "source": "psmathur/orca_mini_v3_13b", "pad_to_multiple_of": 64, "tokens": {
+            "<|im_start|>": {"source": "zero", "force": False},
+            "<|im_end|>": {"source": {"model": "psmathur/orca_mini_v3_13b", "token": "</s>"},
+                           "force": True},
+            "<x>": {"source": "psmathur/orca_mini_v3_13b", "force": False}}}
+    parse_recipe(block)  # a valid moemerge recipe
+    assert "tokenizer" not in imported(LINEAR).recipe  # neither: the base's vocabulary as is
+
+
 def test_karcher_drops_weights_mergekit_ignores():
     result = imported(KARCHER.replace("{model: a/x}", "{model: a/x, parameters: {weight: 3}}"))
     assert result.recipe["models"] == [{"model": "a/x"}, {"model": "b/y"}]
@@ -346,7 +365,8 @@ base_model: base/model
     (LINEAR.replace("merge_method: linear", "merge_method: frankenmerge"),
      "'frankenmerge' cannot be imported: not a merge method of mergekit 0.1.5"),
     (LINEAR.replace("psmathur/orca_mini_v3_13b", "a/b+lora/x"), "LoRA"),
-    (LINEAR + "tokenizer_source: union\n", "'union' builds a new vocabulary"),
+    (LINEAR + "tokenizer_source: union\ntokenizer: {source: base}\n", "not both"),
+    (LINEAR + "tokenizer: {source: base, extra: 1}\n", "tokenizer.extra: not a key"),
     (LINEAR + "modules: {text: {}}\n", "modules: per-module configs"),
     (LINEAR + "sliced: true\n", "sliced: not a mergekit-yaml key"),
     (TASK_ARITHMETIC.replace("lambda: 0.8", "t: 0.8"), "task_arithmetic in moemerge takes no 't'"),

@@ -46,9 +46,8 @@ def convert_yaml(data: dict, notes: list[str]) -> dict:
         raise RecipeError(f"{', '.join(unknown)}: not a mergekit-yaml key moemerge knows")
     if data.get("modules"):
         raise RecipeError("modules: per-module configs (multimodal models) cannot be imported")
-    if data.get("tokenizer"):
-        raise RecipeError("tokenizer: mergekit's vocabulary surgery (added tokens, union "
-                          "vocabularies) cannot be imported; moemerge merges one vocabulary")
+    if data.get("tokenizer") and data.get("tokenizer_source"):
+        raise RecipeError("tokenizer_source: give it or `tokenizer:`, not both (as mergekit)")
     method = moemerge_method(data.get("merge_method", ""))
     spec = REGISTRY[method]
     base = model_ref(data["base_model"]) if data.get("base_model") else None
@@ -102,7 +101,9 @@ def convert_yaml(data: dict, notes: list[str]) -> dict:
     if data.get("dtype") not in (None, "float32"):
         notes.append(f"dtype: mergekit computes in {data['dtype']}; moemerge always computes "
                      "in float32 and casts once on write (a rounding-level difference)")
-    _tokenizer(data, base, notes)
+    tokenizer = _tokenizer(data, notes)
+    if tokenizer is not None:
+        recipe["tokenizer"] = tokenizer
     return recipe
 
 
@@ -194,13 +195,46 @@ def _slice(data: dict, i: int, base, spec, notes: list[str]) -> list[Input]:
     return _merged(inputs, base, spec, notes, len(sources) > 1)
 
 
-def _tokenizer(data: dict, base, notes: list[str]) -> None:
-    source = data.get("tokenizer_source")
-    if source == "union":
-        raise RecipeError("tokenizer_source: 'union' builds a new vocabulary; moemerge merges "
-                          "models of one vocabulary and cannot import it")
-    if source not in (None, "base") and (base is None or model_ref(source) != base):
-        notes.append(f"tokenizer_source: not carried: moemerge copies the tokenizer of the "
-                     f"base (or first) model, not {source!r}; copy it into the output yourself")
+def _tokenizer(data: dict, notes: list[str]) -> dict | None:
+    """mergekit's `tokenizer_source` / `tokenizer:` as the recipe's `tokenizer:` block (the
+    same vocabulary, rows and added tokens: plan/tokens.py); None without either, where both
+    tools keep the base's (or first model's) vocabulary as it is."""
     if data.get("chat_template"):
         notes.append("chat_template: not carried: set it in the output's tokenizer_config.json")
+    given = data.get("tokenizer")
+    if given is None and data.get("tokenizer_source") is None:
+        return None
+    if given is None:
+        given = {"source": data["tokenizer_source"]}
+    if not isinstance(given, dict):
+        raise RecipeError("tokenizer: a mapping with source, tokens, pad_to_multiple_of")
+    unknown = sorted(set(given) - {"source", "tokens", "pad_to_multiple_of"})
+    if unknown:
+        raise RecipeError(f"tokenizer.{unknown[0]}: not a key of mergekit's tokenizer config")
+    source = given.get("source", "union")
+    out: dict = {"source": source if source in ("union", "base") else model_ref(source)["model"]}
+    tokens = {str(t): _token_source(t, entry) for t, entry in (given.get("tokens") or {}).items()}
+    if tokens:
+        out["tokens"] = tokens
+    if given.get("pad_to_multiple_of") is not None:
+        out["pad_to_multiple_of"] = given["pad_to_multiple_of"]
+    return out
+
+
+def _token_source(token: str, entry) -> dict:
+    """One `tokens:` entry: {source: {kind: zero} | {kind: model_token, model, token |
+    token_id} | model, force}."""
+    where = f"tokenizer.tokens.{token}"
+    if not isinstance(entry, dict):
+        raise RecipeError(f"{where}: a mapping with source and force")
+    out: dict = {"force": bool(entry.get("force", False))}
+    source = entry.get("source")
+    if isinstance(source, dict) and source.get("kind") == "zero":
+        out["source"] = "zero"
+    elif isinstance(source, dict) and source.get("kind") == "model_token":
+        out["source"] = {"model": model_ref(source["model"])["model"],
+                         **{k: source[k] for k in ("token", "token_id") if source.get(k)
+                            is not None}}
+    elif source is not None:
+        out["source"] = model_ref(source)["model"]
+    return out
