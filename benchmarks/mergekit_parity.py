@@ -245,7 +245,7 @@ def with_tokens(src: Path, dst: Path, tokens: list[str], seed: int) -> Path:
 VOCAB_CASES = [  # (name, mergekit config body beside `models` / `base_model`)
     ("linear, tokenizer_source: union (3 vocabularies)",
      {"merge_method": "linear", "tokenizer_source": "union"}, False),
-    ("linear, tokenizer_source: base (one tokenizer of 300 tokens, vocab_size 512)",
+    ("linear, tokenizer_source: base (one tokenizer of 276 tokens, vocab_size 512)",
      {"merge_method": "linear", "tokenizer_source": "base"}, "same"),
     # (not source: base with tokens: mergekit 0.1.5 adds the tokens to the base's own tokenizer
     # object, so the base "has" each at its new id and gives the row of its embedding there:

@@ -63,7 +63,9 @@ def upcycle_card(recipe: UpcycleRecipe, plan: Plan):
     what = (f"a token-routed Mixture-of-Experts ({plan.config['architectures'][0]}) upcycled "
             f"from the dense `{recipe.model.model}`: {recipe.experts} copies of its FFN, each "
             f"split into {recipe.granularity} slices ({recipe.num_experts} experts, "
-            f"{recipe.top_k} per token)")
+            f"{recipe.top_k} per token" + (f"; {recipe.shared_experts} slices of the dense FFN "
+                                           "always on as the shared expert" if
+                                           recipe.shared_experts else "") + ")")
     details = [f"Router init `{recipe.router.init}`; Drop-Upcycling re-initialisation ratio "
                f"{recipe.reinit.ratio:g}; noise std {recipe.noise:g}."]
     return [recipe.model.model], what, details

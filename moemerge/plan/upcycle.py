@@ -10,6 +10,12 @@ the chosen slices gives each slice of copy c the weight w_c / m with Σ_c w_c = 
 chosen copies. The layer then returns Σ_c (w_c / m) Σ_j FFN_j(x) = FFN(x) / m, so every down
 slice is scaled by m and the output is the dense FFN. For m = 1 any router does (Σ_c w_c = 1).
 
+With `shared_experts: s` (DeepSeekMoE's shared expert isolation; a DeepSeek-MoE output) the
+first s slices of the dense FFN are the always-on shared expert, once, unchanged, and each copy
+keeps slices s..m-1 as its r = m - s routed experts (copy c, slice j is expert c·r + j - s): the
+same argument with r for m gives the routed part Σ_{j >= s} FFN_j(x) (each down slice scaled by
+r), and the shared one adds Σ_{j < s} FFN_j(x): the dense FFN again.
+
 Each expert tensor is a copy job of the dense FFN tensor with a change, `UpcycledSlice`, made in
 the execute loop: copy c of the dense tensor (Drop-Upcycling re-initialisation, then noise,
 drawn from generators of (seed, tensor name): the same recipe gives the same bytes), slice j of
@@ -77,8 +83,8 @@ class UpcycleCopies:
                 self._cache = (key, self._copy(self._dense[1], part))
             full = self._cache[1]
         units = slice(part.slice * self.width, (part.slice + 1) * self.width)
-        if part.proj == "down":  # ×m: the m slices of a copy share its router weight (above)
-            return (full[:, units] * self.recipe.granularity).contiguous()
+        if part.proj == "down":  # ×r: the r routed slices of a copy share its router weight
+            return (full[:, units] * self.recipe.routed_slices).contiguous()
         return full[units].clone()  # its own memory: never a view of the cached copy
 
     def _copy(self, weight: torch.Tensor, part: UpcycledSlice) -> torch.Tensor:
@@ -137,8 +143,8 @@ class UpcycledSlice:
         changed += [f"noise std {recipe.noise:g}"] if recipe.noise else []
         return (f"copy {self.copy}" + (f" ({', '.join(changed)})" if changed else "")
                 + f", slice {self.slice + 1}/{recipe.granularity}"
-                + (f" ×{recipe.granularity}" if self.proj == "down" and recipe.granularity > 1
-                   else ""))
+                + (f" ×{recipe.routed_slices}" if self.proj == "down" and
+                   recipe.routed_slices > 1 else ""))
 
     def dtype(self, stored: torch.dtype) -> torch.dtype:
         return torch.float32  # copies are made in float32
@@ -149,15 +155,46 @@ class UpcycledSlice:
         return (rows, width) if self.proj == "down" else (width, cols)
 
 
+@dataclass(frozen=True)
+class DenseUnits:
+    """Intermediate units [first, end) of a dense FFN tensor, unchanged (the shared expert of
+    an upcycle with shared_experts; a Source's change)."""
+
+    proj: str
+    first: int
+    end: int
+
+    def apply(self, read: Callable[[], torch.Tensor]) -> torch.Tensor:
+        weight = read()
+        units = slice(self.first, self.end)
+        return (weight[:, units] if self.proj == "down" else weight[units]).contiguous()
+
+    def describe(self) -> str:
+        return f"units {self.first}..{self.end - 1} (the shared expert)"
+
+    def dtype(self, stored: torch.dtype) -> torch.dtype:
+        return stored
+
+    def shape(self, stored: tuple[int, ...]) -> tuple[int, int]:
+        rows, cols = stored
+        width = self.end - self.first
+        return (rows, width) if self.proj == "down" else (width, cols)
+
+
 def plan_upcycle(recipe: UpcycleRecipe, models: list[SourceModel]) -> Plan:
     """models = [dense]: non-FFN tensors copied from the dense model, a router per layer, and
-    experts c·m + j = slice j of copy c of its FFN."""
+    experts c·r + j - s = slice j (>= s) of copy c of its FFN (its first s slices the shared
+    expert)."""
     dense = models[0]
     copies = UpcycleCopies(recipe, dense)
-    layout = dense.family.moe_layout(dense.where())
+    layout = dense.family.moe_layout(dense.where(), recipe.shared_experts > 0, recipe.layout)
+    if recipe.shared_experts and layout.shared_count_key is None:
+        raise RecipeError(f"shared_experts: the {layout.name} layout has no shared expert made "
+                          "of expert-width slices; use layout: deepseek (Llama / Mistral "
+                          "sources)")
     refuse_unsupported_tensors(dense, layout)
     dtype = output_dtype(recipe.output.dtype, dense)
-    hidden, m = dense.config["hidden_size"], recipe.granularity
+    hidden, m, s = dense.config["hidden_size"], recipe.granularity, recipe.shared_experts
     jobs: list[Job] = []
     layers_done: set[int] = set()
     largest = 0
@@ -172,15 +209,22 @@ def plan_upcycle(recipe: UpcycleRecipe, models: list[SourceModel]) -> Plan:
             layers_done.add(role.layer)
             jobs.append(Job(layout.router_name(role.layer), (recipe.num_experts, hidden), dtype,
                             "router", "router", role.layer, router_init=recipe.router.init))
-            jobs += zeroed_shared_expert(layout, dense, role.layer, dtype)  # Qwen2-MoE
+            if not s:
+                jobs += zeroed_shared_expert(layout, dense, role.layer, dtype)  # Qwen2-MoE
+        if s:  # the shared expert: the dense FFN's first s slices
+            units = DenseUnits(role.proj, 0, s * copies.width)
+            jobs.append(Job(layout.shared_name(role.layer, role.proj), units.shape(shape), dtype,
+                            "copy", "ffn", role.layer, (Source(0, name, change=units),)))
+        r = recipe.routed_slices
         for c in range(recipe.experts):
-            for j in range(m):
+            for j in range(s, m):
                 part = UpcycledSlice(copies, name, role.proj, role.layer, c, j)
-                jobs.append(Job(layout.expert_name(role.layer, c * m + j, role.proj),
+                jobs.append(Job(layout.expert_name(role.layer, c * r + j - s, role.proj),
                                 part.shape(shape), dtype, "copy", "ffn", role.layer,
                                 (Source(0, name, change=part),)))
     source = dict(dense.config, intermediate_size=copies.width)
     config = moe_config(source, layout, dtype, num_experts=recipe.num_experts,
-                        experts_per_token=recipe.top_k)
+                        experts_per_token=recipe.top_k,
+                        shared_width=s * copies.width if s else None)
     return Plan([dense.label], fuse_jobs(layout, jobs), config,
                 resident_bytes=copies.resident_bytes(largest))

@@ -32,6 +32,13 @@ class UpcycleRecipe(_RecipeBase):
                              "intermediate dimension: experts × granularity fine-grained experts.")
     experts_per_token: int = Field(default=2, ge=1, description="Copies chosen per token; "
                                    "the router picks experts_per_token × granularity slices.")
+    shared_experts: int = Field(default=0, ge=0, description="Slices of the dense FFN kept "
+                                "always on, once, as the shared expert (DeepSeekMoE's shared "
+                                "expert isolation; a DeepSeek-MoE output): each copy keeps the "
+                                "other granularity − shared_experts slices as routed experts.")
+    layout: str | None = Field(default=None, description="The output's MoE layout (as in "
+                               "`kind: moe`); default: the family's, DeepSeek-MoE for Llama "
+                               "with shared_experts.")
     router: UpcycleRouter = UpcycleRouter()
     reinit: Reinit = Reinit()
     noise: float = Field(default=0.0, ge=0.0, description="Std of Gaussian noise added to "
@@ -44,12 +51,17 @@ class UpcycleRecipe(_RecipeBase):
         return [self.model]
 
     @property
+    def routed_slices(self) -> int:
+        """Slices of each copy that become routed experts."""
+        return self.granularity - self.shared_experts
+
+    @property
     def num_experts(self) -> int:
-        return self.experts * self.granularity
+        return self.experts * self.routed_slices
 
     @property
     def top_k(self) -> int:
-        return self.experts_per_token * self.granularity
+        return self.experts_per_token * self.routed_slices
 
     @model_validator(mode="after")
     def _inputs_usable(self) -> UpcycleRecipe:
@@ -57,4 +69,8 @@ class UpcycleRecipe(_RecipeBase):
         if self.experts_per_token > self.experts:
             raise ValueError(f"experts_per_token: {self.experts_per_token} is larger than the "
                              f"number of experts ({self.experts})")
+        if self.shared_experts >= self.granularity:
+            raise ValueError(f"shared_experts: {self.shared_experts} of the {self.granularity} "
+                             "slices (granularity) would leave no slice to route; give fewer, "
+                             "or a larger granularity")
         return self

@@ -74,8 +74,9 @@ class TokenRouters:
 
 
 class UpcycleRouters:
-    """Routers of `kind: upcycle` [N·m, H]: random, or virtual_group (one random row per copy,
-    repeated for its m slices, so a copy's slices start with equal logits; plan/upcycle.py)."""
+    """Routers of `kind: upcycle` [N·r, H], r the routed slices of a copy: random, or
+    virtual_group (one random row per copy, repeated for its r slices, so a copy's slices start
+    with equal logits; plan/upcycle.py)."""
 
     def __init__(self, recipe, models: list[SourceModel]):
         self.recipe = recipe
@@ -86,7 +87,7 @@ class UpcycleRouters:
         if recipe.router.init == "random":
             return random_router(job.shape, self.std, recipe.seed, job.output)
         rows = random_router((recipe.experts, job.shape[1]), self.std, recipe.seed, job.output)
-        return rows.repeat_interleave(recipe.granularity, dim=0)
+        return rows.repeat_interleave(recipe.routed_slices, dim=0)
 
 
 class SequenceRouters:

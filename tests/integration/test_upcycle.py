@@ -79,6 +79,46 @@ def test_the_start_reproduces_the_dense_logits(family, granularity, dense, tmp_p
     assert width * granularity == source["intermediate_size"]
 
 
+@pytest.mark.parametrize("granularity,shared", [(2, 1), (4, 1), (4, 2)])
+def test_deepseek_shared_expert_isolation_starts_at_the_dense_model(granularity, shared, dense,
+                                                                   tmp_path):
+    """DeepSeekMoE's fine-grained experts with shared-expert isolation: the first `shared`
+    slices of the FFN always on (n_shared_experts), the other slices of each copy routed; the
+    start is the dense model, through the shipped modeling code, and fails with a random
+    router (a copy's slices chosen apart)."""
+    model = dense("llama")
+    out = upcycle(tmp_path, model, granularity=granularity, shared_experts=shared)
+    config = json.loads((out / "config.json").read_text())
+    source = json.loads((model / "config.json").read_text())
+    routed = granularity - shared
+    width = source["intermediate_size"] // granularity
+    assert (config["model_type"], config["n_shared_experts"], config["moe_intermediate_size"],
+            config["n_routed_experts"], config["num_experts_per_tok"]) == (
+        "deepseek", shared, width, 4 * routed, 2 * routed)
+    def remote_gap(path) -> float:  # the shipped modeling code (trust_remote_code)
+        remote = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                      trust_remote_code=True).eval()
+        with torch.no_grad():
+            return (remote(input_ids=IDS).logits - logits(model)).abs().max().item()
+
+    assert remote_gap(out) < ATOL
+    with safe_open(out / "model.safetensors", "pt") as f:
+        shared_up = f.get_tensor("model.layers.1.mlp.shared_experts.up_proj.weight")
+    torch.testing.assert_close(shared_up, dense_ffn(model, 1)[1][:shared * width], atol=0,
+                               rtol=0)
+    random = upcycle(tmp_path, model, "random", granularity=granularity, shared_experts=shared,
+                     router="{init: random}")
+    if routed > 1:
+        assert remote_gap(random) > 100 * ATOL
+
+
+def test_shared_experts_need_slices_to_route_and_a_layout_for_them(dense, tmp_path):
+    with pytest.raises(RecipeError, match="would leave no slice to route"):
+        upcycle(tmp_path, dense("llama"), granularity=2, shared_experts=2)
+    with pytest.raises(RecipeError, match="has no shared expert made of expert-width slices"):
+        upcycle(tmp_path, dense("qwen2"), granularity=2, shared_experts=1)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_the_parity_check_can_fail(family, dense, tmp_path):
     """m = 2 with a random router (a copy's two slices are chosen apart), or without the ×m on
