@@ -34,7 +34,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from moemerge.api import build
-from moemerge.toy import make_random_model, train_tokenizer
+from moemerge.toy import make_random_model, train_tokenizer, with_added_tokens
 
 RESULTS = Path(__file__).parent / "results"
 sys.path.insert(0, str(Path(__file__).parent))
@@ -140,22 +140,11 @@ def moe_rows(root: Path, bin_dir: Path, models) -> list[dict]:
             shared_row(root, bin_dir, models, "qwen", ["a helpful answer", "In general,"])]
 
 
-def shared_row(root: Path, bin_dir: Path, models, architecture: str, prompts) -> dict:
-    """mergekit-moe with a shared expert (DeepSeek output: ungated; Qwen output: its gate from
-    the prompts) against the imported recipe, every tensor by name (mergekit's DeepSeek config
-    points its auto_map at the hub, so it is not loaded). The shared expert is expert 1's model:
-    mergekit-moe 0.1.5 opens only the base's and the experts' files and crashes on any other
-    (AttributeError: 'NoneType' object has no attribute 'get_tensor')."""
+def both_moe(root: Path, bin_dir: Path, name: str, config: str):
+    """mergekit-moe's build of `config` to root/NAME.mergekit and moemerge's of the recipe
+    import-mergekit makes of it to root/NAME.moemerge; the conversion."""
     from moemerge.recipe.mergekit import convert, render
 
-    shared = {"source_model": str(models[1]), **({"positive_prompts": prompts} if prompts
-                                                 else {})}
-    config = yaml.safe_dump({"base_model": str(models[0]), "gate_mode": "hidden",
-                             "dtype": "float32", "architecture": architecture,
-                             "shared_experts": [shared], "experts": [
-        {"source_model": str(m), "positive_prompts": PROMPTS[i]}
-        for i, m in enumerate(models[1:])]})
-    name = f"moe-shared-{architecture}"
     (root / f"{name}.mergekit.yaml").write_text(config)
     subprocess.run([str(bin_dir / "mergekit-moe"), str(root / f"{name}.mergekit.yaml"),
                     str(root / f"{name}.mergekit"), "--random-seed", "0", "--quiet",
@@ -165,6 +154,25 @@ def shared_row(root: Path, bin_dir: Path, models, architecture: str, prompts) ->
     recipe = root / f"{name}.moemerge.yaml"
     recipe.write_text(render(converted, f"{name}.mergekit.yaml"))
     build(recipe, root / f"{name}.moemerge", progress=False, force=True, verify="structure")
+    return converted
+
+
+def shared_row(root: Path, bin_dir: Path, models, architecture: str, prompts) -> dict:
+    """mergekit-moe with a shared expert (DeepSeek output: ungated; Qwen output: its gate from
+    the prompts) against the imported recipe, every tensor by name (mergekit's DeepSeek config
+    points its auto_map at the hub, so it is not loaded). The shared expert is expert 1's model:
+    mergekit-moe 0.1.5 opens only the base's and the experts' files and crashes on any other
+    (AttributeError: 'NoneType' object has no attribute 'get_tensor')."""
+
+    shared = {"source_model": str(models[1]), **({"positive_prompts": prompts} if prompts
+                                                 else {})}
+    config = yaml.safe_dump({"base_model": str(models[0]), "gate_mode": "hidden",
+                             "dtype": "float32", "architecture": architecture,
+                             "shared_experts": [shared], "experts": [
+        {"source_model": str(m), "positive_prompts": PROMPTS[i]}
+        for i, m in enumerate(models[1:])]})
+    name = f"moe-shared-{architecture}"
+    converted = both_moe(root, bin_dir, name, config)
     tensors = [{k: v for f in sorted((root / f"{name}.{tool}").glob("*.safetensors"))
                 for k, v in load_file(f).items()} for tool in ("mergekit", "moemerge")]
     delta = max_delta(*tensors)
@@ -181,7 +189,6 @@ def shared_row(root: Path, bin_dir: Path, models, architecture: str, prompts) ->
 def moe_row(root: Path, bin_dir: Path, models, gate: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from moemerge.recipe.mergekit import convert, render
 
     config = yaml.safe_dump({"base_model": str(models[0]), "gate_mode": gate,
                              "dtype": "float32", "experts": [
@@ -189,14 +196,7 @@ def moe_row(root: Path, bin_dir: Path, models, gate: str) -> dict:
          **({"negative_prompts": NEGATIVE[i]} if i in NEGATIVE else {})}
         for i, m in enumerate(models[1:])]})
     name = f"moe-{gate}"
-    (root / f"{name}.mergekit.yaml").write_text(config)
-    subprocess.run([str(bin_dir / "mergekit-moe"), str(root / f"{name}.mergekit.yaml"),
-                    str(root / f"{name}.mergekit"), "--random-seed", "0", "--quiet",
-                    "--device", "cpu", "--i-understand-this-is-not-useful-without-training"],
-                   check=True, capture_output=True)
-    recipe = root / f"{name}.moemerge.yaml"
-    recipe.write_text(render(convert(yaml.safe_load(config)), f"{name}.mergekit.yaml"))
-    build(recipe, root / f"{name}.moemerge", progress=False, force=True, verify="structure")
+    converted = both_moe(root, bin_dir, name, config)
     states = [AutoModelForCausalLM.from_pretrained(root / f"{name}.{tool}",
                                                    dtype=torch.float32).state_dict()
               for tool in ("mergekit", "moemerge")]
@@ -206,7 +206,7 @@ def moe_row(root: Path, bin_dir: Path, models, gate: str) -> dict:
                 for k in states[0] if k not in routers)
     router_delta = max((states[0][k] - states[1][k]).abs().max().item() for k in routers)
     print(f"mergekit-moe ({gate} gates)  {delta:.3g}, routers {router_delta:.3g}", flush=True)
-    init = convert(yaml.safe_load(config)).recipe["router"]["init"]
+    init = converted.recipe["router"]["init"]
     if gate == "random":
         return {"method": "mergekit-moe, 3 experts, random gates (all but the routers)",
                 "mergekit": "mergekit-moe", "options": "the recipe import-mergekit writes "
@@ -214,32 +214,6 @@ def moe_row(root: Path, bin_dir: Path, models, gate: str) -> dict:
     return {"method": f"mergekit-moe, 3 experts, gate_mode {gate} (routers included)",
             "mergekit": "mergekit-moe", "options": f"the recipe import-mergekit writes "
             f"(merge: base, router.init {init})", "max_abs_delta": max(delta, router_delta)}
-
-
-def with_tokens(src: Path, dst: Path, tokens: list[str], seed: int) -> Path:
-    """A copy of model `src` whose tokenizer has `tokens` appended, each with random embedding
-    and head rows, its vocab_size grown to the tokenizer's (cut to it: no padding rows)."""
-    from tokenizers import Tokenizer
-
-    dst.mkdir()
-    for side in src.iterdir():
-        (dst / side.name).write_bytes(side.read_bytes())
-    tok = Tokenizer.from_file(str(dst / "tokenizer.json"))
-    tok.add_tokens(tokens)
-    tok.save(str(dst / "tokenizer.json"))
-    size = tok.get_vocab_size(with_added_tokens=True)
-    tensors = load_file(dst / "model.safetensors")
-    gen = torch.Generator().manual_seed(seed)
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        old = tensors[name]
-        rows = 0.02 * torch.randn((size, old.shape[1]), generator=gen)
-        keep = min(len(old), size)
-        rows[:keep] = old[:keep]
-        tensors[name] = rows
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((dst / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**config, "vocab_size": size}))
-    return dst
 
 
 VOCAB_CASES = [  # (name, mergekit config body beside `models` / `base_model`)
@@ -269,8 +243,8 @@ def vocab_rows(root: Path, bin_dir: Path, models) -> list[dict]:
 
     from moemerge.recipe.mergekit import convert, render
 
-    own = [with_tokens(models[1], root / "vocab-b", ["<think>", "</think>"], 7),
-           with_tokens(models[2], root / "vocab-c", ["<think>", "QQQ"], 8)]
+    own = [with_added_tokens(models[1], root / "vocab-b", ["<think>", "</think>"], 7),
+           with_added_tokens(models[2], root / "vocab-c", ["<think>", "QQQ"], 8)]
     rows = []
     for name, body, with_base in VOCAB_CASES:
         merged = [models[1], models[2], models[3]] if with_base == "same" else \

@@ -9,7 +9,7 @@ from dataclasses import replace
 from moemerge.architectures import MoELayout
 from moemerge.architectures.config import dense_config, moe_config
 from moemerge.errors import MismatchError
-from moemerge.plan.common import merge_job, output_dtype, write_order
+from moemerge.plan.common import expert_source, merge_job, output_dtype, write_order
 from moemerge.plan.fused import fuse_jobs, split_fused
 from moemerge.plan.jobs import Job, Plan, Source
 from moemerge.plan.shared_expert import (
@@ -88,10 +88,10 @@ def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:
             jobs += shared_expert_jobs(recipe, layout, models, layer, dtype, experts)
             jobs += zero_biases(layout, base, layer, dtype)
         for index, owner in enumerate(ffn_owners):
-            jobs.append(Job(
-                layout.expert_name(layer, index, role.proj), shape, dtype, "copy", "ffn", layer,
-                (Source(owner, name),),
-            ))
+            output = layout.expert_name(layer, index, role.proj)
+            ref = recipe.experts[owner - 1] if owner else None  # (the base's FFN: as it is)
+            jobs.append(Job(output, shape, dtype, "copy", "ffn", layer,
+                            (expert_source(owner, name, role.proj, ref, recipe.seed, output),)))
     config = moe_config(
         base.config, layout, dtype, num_experts=len(ffn_owners),
         experts_per_token=recipe.experts_per_token,

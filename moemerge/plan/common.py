@@ -4,11 +4,13 @@ upcycle.py, shared.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from moemerge.architectures import TensorRole
+from moemerge.merge.primitives import generator_for
 from moemerge.merge.registry import get
 from moemerge.plan.jobs import Job, Source
 from moemerge.plan.params import resolve_merge, resolve_weights
@@ -65,3 +67,43 @@ def merge_job(
         weights=tuple(weights),
         merge=params,
     )
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """An expert's FFN tensor as mergekit-moe's expert options change it (a Source's change):
+    N(0, noise²) added (drawn from (seed, the output tensor's name)), then, on the down
+    projection, multiplied by `scale` (residual_scale: the expert's output scaled)."""
+
+    noise: float
+    scale: float
+    seed: int
+    key: str
+
+    def apply(self, read: Callable[[], torch.Tensor]) -> torch.Tensor:
+        weight = read().float()
+        if self.noise:
+            weight = weight + torch.randn(weight.shape, generator=generator_for(
+                self.seed, f"{self.key} noise")) * self.noise
+        return weight * self.scale if self.scale != 1 else weight
+
+    def describe(self) -> str:
+        return ", ".join(([f"noise std {self.noise:g}"] if self.noise else [])
+                         + ([f"×{self.scale:g}"] if self.scale != 1 else []))
+
+    def dtype(self, stored: torch.dtype) -> torch.dtype:
+        return torch.float32
+
+    def shape(self, stored: tuple[int, ...]) -> tuple[int, ...]:
+        return stored
+
+
+def expert_source(model: int, name: str, proj: str | None, ref, seed: int,
+                  output: str) -> Source:
+    """Source of an expert's FFN tensor `name` (projection `proj`), with the expert's noise and
+    residual scale (RoutedExpertRef) applied when it sets them."""
+    noise = getattr(ref, "noise_scale", 0.0)
+    scale = getattr(ref, "residual_scale", 1.0) if proj == "down" else 1.0
+    if not noise and scale == 1:
+        return Source(model, name)
+    return Source(model, name, change=ExpertWeights(noise, scale, seed, output))

@@ -29,8 +29,8 @@ import math
 
 from moemerge.architectures.tables import MoELayout
 from moemerge.errors import RecipeError
-from moemerge.plan.common import merge_job
-from moemerge.plan.jobs import Job, Source
+from moemerge.plan.common import expert_source, merge_job
+from moemerge.plan.jobs import Job
 from moemerge.plan.sources import SourceModel
 from moemerge.recipe.merge import MergeSpec
 from moemerge.recipe.models import MERGEKIT_INITS, MoERecipe
@@ -65,8 +65,9 @@ def shared_expert_jobs(recipe: MoERecipe, layout: MoELayout, models: list[Source
         if recipe.shared_expert == "average":  # the experts' FFN average, with their weights
             jobs.append(merge_job(name, "ffn", layer, shape, dtype, MergeSpec(), experts,
                                   recipe.experts, None, output=output))
-        else:  # the base's FFN, or the shared model's
-            jobs.append(Job(output, shape, dtype, "copy", "ffn", layer, (Source(owner, name),)))
+        else:  # the base's FFN, or the shared model's (with its noise and residual scale)
+            source = expert_source(owner, name, proj, recipe.shared_model, recipe.seed, output)
+            jobs.append(Job(output, shape, dtype, "copy", "ffn", layer, (source,)))
     return [*jobs, *_gate(layout, base, layer, dtype, recipe)]
 
 

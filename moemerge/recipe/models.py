@@ -94,6 +94,17 @@ class ExpertRef(ModelRef):
     negative_prompts: list[str] = Field(default_factory=list)
 
 
+class RoutedExpertRef(ExpertRef):
+    """An expert of `kind: moe` (token_routed) or its shared expert: its FFN may be changed
+    on the way in, as mergekit-moe's expert options do."""
+
+    noise_scale: float = Field(default=0.0, ge=0.0, description="Std of Gaussian noise added "
+                               "to its FFN weights (seeded from the recipe's seed and the "
+                               "tensor's name).")
+    residual_scale: float = Field(default=1.0, description="Its FFN's output scaled by this "
+                                  "(its down projection multiplied).")
+
+
 class CalibrationText(Strict):
     """Calibration text: where it is and how much of it is read, in windows of seq_len."""
 
@@ -144,9 +155,11 @@ PROMPTED = ("prompts", "cheap_embed", *MERGEKIT_INITS)
 
 
 class RouterSpec(Strict):
-    init: Literal["random", "prompts", "cheap_embed", "task_vector", "calibrate",
+    init: Literal["random", "uniform", "prompts", "cheap_embed", "task_vector", "calibrate",
                   "mergekit_hidden", "mergekit_hidden_avg", "mergekit_cheap_embed"] = Field(
-        default="random", description="random; prompts / cheap_embed: the experts' prompts' "
+        default="random", description="random (N(0, std²)); uniform (U(-1/√H, 1/√H): "
+        "nn.Linear's default, mergekit-moe's uniform_random); prompts / cheap_embed: the "
+        "experts' prompts' "
         "mean router input / embedding, centred across experts; task_vector; calibrate "
         "(docs/routing.md); mergekit_hidden, mergekit_hidden_avg, mergekit_cheap_embed: "
         "mergekit-moe's gate modes, computed as it does (docs/mergekit.md).")
@@ -307,12 +320,12 @@ class MoERecipe(_RecipeBase):
     kind: Literal["moe"]
     assembly: Literal["token_routed"] = "token_routed"
     base_model: ModelRef
-    experts: list[ExpertRef] = Field(min_length=1)
+    experts: list[RoutedExpertRef] = Field(min_length=1)
     include_base_expert: bool = Field(
         default=False, description="Add the base model's own FFN as one more expert."
     )
     experts_per_token: int = Field(default=2, ge=1)
-    shared_expert: Literal["none", "base", "average"] | ExpertRef = Field(
+    shared_expert: Literal["none", "base", "average"] | RoutedExpertRef = Field(
         default="none",
         description="The always-on shared expert (Qwen2-MoE, DeepSeek-MoE; a Llama base "
         "becomes a DeepSeek-MoE): the base's FFN, the experts' FFN average, another model's "
@@ -333,7 +346,7 @@ class MoERecipe(_RecipeBase):
         return len(self.experts) + int(self.include_base_expert)
 
     @property
-    def shared_model(self) -> ExpertRef | None:
+    def shared_model(self) -> RoutedExpertRef | None:
         """The model whose FFN is the shared expert, when the recipe names one."""
         return self.shared_expert if isinstance(self.shared_expert, ExpertRef) else None
 

@@ -36,6 +36,12 @@ def random_router(shape: tuple[int, int], std: float, seed: int, name: str) -> t
     return torch.randn(shape, generator=generator_for(seed, name)) * std
 
 
+def uniform_router(shape: tuple[int, int], seed: int, name: str) -> torch.Tensor:
+    """U(-1/√H, 1/√H) [E, H]: nn.Linear's default init (mergekit-moe's uniform_random)."""
+    bound = shape[1] ** -0.5
+    return (torch.rand(shape, generator=generator_for(seed, name)) * 2 - 1) * bound
+
+
 def task_vector_router(base_gate: torch.Tensor, expert_gates: list[torch.Tensor]) -> torch.Tensor:
     """base_gate, expert_gates[e]: [I, H] gate projections -> router [E, H]."""
     base = base_gate.float()

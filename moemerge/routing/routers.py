@@ -17,7 +17,7 @@ from moemerge.plan.shared_expert import shared_gate_from_prompts
 from moemerge.plan.sources import SourceModel
 from moemerge.recipe.kinds import kind_of
 from moemerge.recipe.models import MoERecipe
-from moemerge.routing.init import random_router, task_vector_router
+from moemerge.routing.init import random_router, task_vector_router, uniform_router
 from moemerge.routing.prompts import (
     MERGEKIT_GATES,
     embed_router_rows,
@@ -67,6 +67,8 @@ class TokenRouters:
             return self._shared_rows[job.layer]
         if init in ("random", "calibrate"):  # calibrate: a placeholder, overwritten once fitted
             return random_router(job.shape, self.std, self.recipe.seed, job.output)
+        if init == "uniform":
+            return uniform_router(job.shape, self.recipe.seed, job.output)
         if init == "task_vector":
             return task_vector_router(load(job.base), [load(s) for s in job.sources])
         assert self._rows is not None

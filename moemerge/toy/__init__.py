@@ -14,7 +14,7 @@ from moemerge.toy.experts import (
     make_random_model,
     make_toy_experts,
 )
-from moemerge.toy.tokenizer import train_tokenizer
+from moemerge.toy.tokenizer import train_tokenizer, with_added_tokens
 
 __all__ = [
     "DEMO",
@@ -30,4 +30,5 @@ __all__ = [
     "make_random_model",
     "make_toy_experts",
     "train_tokenizer",
+    "with_added_tokens",
 ]

@@ -69,3 +69,24 @@ def published_model(name: str, out_dir: Path, *, seed: int = 0, tokenizer=None,
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+MODEL_KEYS = ("model", "base_model", "source_model")
+
+
+def mergekit_example_models(documents: list[dict], local) -> list[dict]:
+    """mergekit config documents with every model they name replaced by `local(name)` (a tiny
+    local checkpoint standing in for it; the same name, the same checkpoint), the names of
+    their own stages (mergekit-multi's `name`, mergekit-mega's `out_path`) kept."""
+    stages = {d.get(key) for d in documents for key in ("name", "out_path")} - {None}
+
+    def swapped(value, key=None):
+        if isinstance(value, dict):
+            return {k: swapped(v, k) for k, v in value.items()}
+        if isinstance(value, list):
+            return [swapped(v, key) for v in value]
+        if key in MODEL_KEYS and isinstance(value, str) and value not in stages:
+            return str(local(value))
+        return value
+
+    return [swapped(d) for d in documents]

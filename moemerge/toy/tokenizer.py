@@ -7,6 +7,8 @@ no special tokens; callers that want a bos prepend it themselves.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -46,3 +48,34 @@ def train_tokenizer(
         model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,
     )
+
+
+def with_added_tokens(src: Path, dst: Path, tokens: list[str], seed: int) -> Path:
+    """A copy of the model directory `src` whose tokenizer has `tokens` appended (as added
+    tokens), each with N(0, 0.02²) embedding and head rows, and whose config's vocab_size is
+    the tokenizer's (rows past the tokenizer dropped): a fine-tune that grew its vocabulary,
+    for the tests and the parity benchmark of merges over different vocabularies."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tok = Tokenizer.from_file(str(dst / "tokenizer.json"))
+    tok.add_tokens(tokens)
+    tok.save(str(dst / "tokenizer.json"))
+    size = tok.get_vocab_size(with_added_tokens=True)
+    tensors = load_file(dst / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in tensors:
+            old = tensors[name]
+            rows = 0.02 * torch.randn((size, old.shape[1]), generator=gen)
+            keep = min(len(old), size)
+            rows[:keep] = old[:keep]
+            tensors[name] = rows.to(old.dtype)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "vocab_size": size}))
+    return dst

@@ -185,3 +185,36 @@ def test_layout_names_and_sources_are_checked(model_factory, tmp_path):
     with pytest.raises(RecipeError, match="shared_expert.*is not none, base or average"):
         build(moe_recipe(tmp_path, llama, [llama] * 2, shared_expert="other"), tmp_path / "c",
               progress=False)
+
+
+def test_expert_residual_and_noise_scale_and_the_uniform_router(sources, tmp_path):
+    """mergekit-moe's expert options: residual_scale multiplies the expert's (and the shared
+    expert's) down projection; noise_scale adds N(0, σ²), the same draws for the same recipe;
+    router.init uniform draws U(-1/√H, 1/√H)."""
+    from safetensors.torch import load_file
+
+    base, experts, shared = sources
+    refs = [f"{{model: {experts[0]}, residual_scale: 0.5}}",
+            f"{{model: {experts[1]}, noise_scale: 0.05}}", str(experts[2])]
+    recipe = moe_recipe(tmp_path, base, refs, shared_expert=f"{{model: {shared}, "
+                        "residual_scale: 0.1}", router="{init: uniform}")
+    for out in ("a", "b"):
+        build(recipe, tmp_path / out, progress=False)
+    written = load_file(tmp_path / "a" / "model.safetensors")
+    again = load_file(tmp_path / "b" / "model.safetensors")
+    assert written.keys() == again.keys() and all(torch.equal(written[k], again[k])
+                                                  for k in written)
+    own = [load_file(e / "model.safetensors") for e in experts]
+    down, gate = "model.layers.1.mlp.down_proj.weight", "model.layers.1.mlp.gate_proj.weight"
+    expert = "model.layers.1.mlp.experts.{}.{}"
+    torch.testing.assert_close(written[expert.format(0, "down_proj.weight")], 0.5 * own[0][down])
+    torch.testing.assert_close(written[expert.format(0, "gate_proj.weight")], own[0][gate])
+    noise = written[expert.format(1, "gate_proj.weight")] - own[1][gate]
+    assert 0.04 < noise.std() < 0.06 and noise.mean().abs() < 0.01
+    torch.testing.assert_close(written[expert.format(2, "down_proj.weight")], own[2][down])
+    shared_down = load_file(shared / "model.safetensors")[down]
+    torch.testing.assert_close(written["model.layers.1.mlp.shared_experts.down_proj.weight"],
+                               0.1 * shared_down)
+    router = written[ROUTER.format(1)]
+    bound = router.shape[1] ** -0.5
+    assert router.abs().max() <= bound and router.abs().max() > 0.8 * bound

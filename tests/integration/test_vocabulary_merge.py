@@ -3,40 +3,19 @@ output tokenizer, and every embedding and head row computed by hand from the mod
 token by token."""
 
 import json
-import shutil
 
 import pytest
 import torch
 from conftest import perturbed_copy, write_recipe
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from moemerge.api import build
 from moemerge.errors import MismatchError, RecipeError
+from moemerge.toy import with_added_tokens
 
 ROWS = ("model.embed_tokens.weight", "lm_head.weight")
-
-
-def with_tokens(src, dst, tokens: list[str], seed: int):
-    """A copy of model `src` whose tokenizer has `tokens` appended (as added tokens), each with
-    a random embedding and head row, its config's vocab_size grown to fit."""
-    shutil.copytree(src, dst)
-    tok = Tokenizer.from_file(str(dst / "tokenizer.json"))
-    tok.add_tokens(tokens)
-    tok.save(str(dst / "tokenizer.json"))
-    size = tok.get_vocab_size(with_added_tokens=True)
-    tensors = load_file(dst / "model.safetensors")
-    gen = torch.Generator().manual_seed(seed)
-    for name in ROWS:
-        old = tensors[name]
-        grown = torch.randn((size, old.shape[1]), generator=gen) * 0.02
-        grown[:min(len(old), size)] = old[:size]
-        tensors[name] = grown.to(old.dtype)
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((dst / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**config, "vocab_size": size}))
-    return dst
 
 
 def rows(model, name: str = ROWS[0]) -> tuple[torch.Tensor, dict[str, int]]:
@@ -51,9 +30,9 @@ def three(model_factory, tmp_path_factory):
     root = tmp_path_factory.mktemp("vocab")
     base = model_factory("llama")
     a = perturbed_copy(base, root / "a", scale=0.02, seed=1)
-    b = with_tokens(perturbed_copy(base, root / "b0", scale=0.02, seed=2), root / "b",
+    b = with_added_tokens(perturbed_copy(base, root / "b0", scale=0.02, seed=2), root / "b",
                     ["<think>", "</think>"], seed=3)
-    c = with_tokens(perturbed_copy(base, root / "c0", scale=0.02, seed=4), root / "c",
+    c = with_added_tokens(perturbed_copy(base, root / "c0", scale=0.02, seed=4), root / "c",
                     ["<think>", "QQQ"], seed=5)
     return a, b, c
 

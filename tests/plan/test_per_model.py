@@ -17,7 +17,7 @@ O_PROJ, DOWN, UP = (f"model.layers.{{}}.{n}.weight" for n in (
     "self_attn.o_proj", "mlp.down_proj", "mlp.up_proj"))
 EMBED = "model.embed_tokens.weight"
 
-# mergekit's examples/ties.yml, in moemerge's terms (tests/recipe/data/mergekit_ties.yml)
+# mergekit's examples/ties.yml, in moemerge's terms (tests/data/mergekit/ties.yml)
 TIES_YML = [
     {"model": "x", "density": [1, 0.7, 0.1], "weight": 1.0},
     {"model": "y", "density": 0.5, "weight": [0, 0.3, 0.7, 1]},

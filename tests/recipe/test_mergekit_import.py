@@ -191,6 +191,8 @@ def test_moe_maps_gate_mode_and_copies_the_base():
     assert r["experts"][1]["negative_prompts"] == ["story"]
     random = imported(MOE.replace("gate_mode: hidden", "gate_mode: random"))
     assert random.recipe["router"] == {"init": "random", "std": 1.0}
+    uniform = imported(MOE.replace("gate_mode: hidden", "gate_mode: uniform_random"))
+    assert uniform.recipe["router"] == {"init": "uniform"}
     for mode, init in (("hidden_last", "mergekit_hidden"), ("hidden_avg", "mergekit_hidden_avg"),
                        ("cheap_embed", "mergekit_cheap_embed")):
         gated = imported(MOE.replace("gate_mode: hidden", f"gate_mode: {mode}"))
@@ -235,6 +237,16 @@ def test_tokenizer_source_and_block_become_the_recipes_tokenizer():
             "<x>": {"source": "psmathur/orca_mini_v3_13b", "force": False}}}
     parse_recipe(block)  # a valid moemerge recipe
     assert "tokenizer" not in imported(LINEAR).recipe  # neither: the base's vocabulary as is
+
+
+def test_expert_noise_and_residual_scale_are_carried():
+    text = MOE.replace('positive_prompts: ["math"]', 'noise_scale: 0.1\n    residual_scale: 0.5'
+                       '\n    positive_prompts: [m]') + \
+        "shared_experts: [{source_model: s/x, residual_scale: 0.1}]\n"
+    r = imported(text).recipe
+    assert (r["experts"][1]["noise_scale"], r["experts"][1]["residual_scale"]) == (0.1, 0.5)
+    assert r["shared_expert"] == {"model": "s/x", "residual_scale": 0.1}
+    parse_recipe(r)
 
 
 def test_karcher_drops_weights_mergekit_ignores():
@@ -304,7 +316,7 @@ def test_per_model_parameters_resolve_as_in_mergekit():
 
 
 def test_mergekits_ties_example_imports_with_its_gradients_and_filters():
-    text = (Path(__file__).parent / "data" / "mergekit_ties.yml").read_text()
+    text = (Path(__file__).parent.parent / "data" / "mergekit" / "ties.yml").read_text()
     result = imported(text)
     r = result.recipe
     assert r["merge"] == {"method": "ties", "normalize": True, "density": 1.0,
@@ -378,9 +390,6 @@ base_model: base/model
      "sets the shared expert's gate from its positive_prompts"),
     (MOE + "architecture: mixtral\nshared_experts: [{source_model: x}]\n",
      "mixtral output has no shared expert"),
-    (MOE.replace("gate_mode: hidden", "gate_mode: uniform_random"), "uniform_random"),
-    (MOE.replace('positive_prompts: ["math"]', 'noise_scale: 0.1\n    positive_prompts: [m]'),
-     "noise_scale"),
     (MOE.replace("dtype: bfloat16", "architecture: grok"), "architecture: 'grok' is not one"),
     (SLERP.replace("sources:", "parameters: {t: 0.1}\n    sources:", 1), "per-slice parameters"),
 ])

@@ -30,16 +30,19 @@ class Imported:
 def convert_documents(documents: list, source: str = "<config>") -> Imported:
     """One document: `convert`. Several (mergekit-multi): a `kind: stages` recipe, a stage per
     document; a document's `name` names its stage (later documents read its output by that
-    name), the one without a name is the output, as mergekit-multi has it."""
+    name), the one without a name is the output, as mergekit-multi has it (mergekit-mega's
+    `out_path` documents likewise: `_out_paths_named`)."""
     if not documents:
         raise RecipeError(f"{source}: holds no config")
     if len(documents) == 1:
         return convert(documents[0], source)
+    if any(not isinstance(d, dict) for d in documents):
+        i = next(i for i, d in enumerate(documents) if not isinstance(d, dict))
+        raise RecipeError(f"{source}, document {i + 1}: not a mergekit config (a YAML mapping)")
+    documents = _out_paths_named(documents)
     stages, notes = [], []
     for i, document in enumerate(documents):
         where = f"{source}, document {i + 1}"
-        if not isinstance(document, dict):
-            raise RecipeError(f"{where}: not a mergekit config (a YAML mapping)")
         name = document.get("name")
         if name is not None and not isinstance(name, str):
             raise RecipeError(f"{where}: name: a stage name is a string, got {name!r}")
@@ -49,6 +52,31 @@ def convert_documents(documents: list, source: str = "<config>") -> Imported:
     recipe = {"kind": "stages", "stages": stages}
     parse_recipe(recipe, f"{source} (imported)")
     return Imported("mergekit-multi", recipe, notes)
+
+
+def _out_paths_named(documents: list[dict]) -> list[dict]:
+    """mergekit-mega's form of a multi-document config: each document writes to its
+    `out_path`, and later ones read that path. Each becomes a stage named after the path's last
+    part (the last document the output), and every reference to the path that name."""
+    paths = [d.get("out_path") for d in documents]
+    if not any(paths):
+        return documents
+    names = {path: str(path).rstrip("/").rsplit("/", 1)[-1] for path in paths[:-1] if path}
+
+    def renamed(value):
+        if isinstance(value, dict):
+            return {k: renamed(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [renamed(v) for v in value]
+        return names.get(value, value) if isinstance(value, str) else value
+
+    out = []
+    for i, document in enumerate(documents):
+        document = renamed({k: v for k, v in document.items() if k != "out_path"})
+        if paths[i] and i < len(documents) - 1 and "name" not in document:
+            document["name"] = names[paths[i]]
+        out.append(document)
+    return out
 
 
 def convert(data: object, source: str = "<config>") -> Imported:

@@ -13,7 +13,7 @@ KEYS = {"base_model", "experts", "gate_mode", "dtype", "experts_per_token", "sha
 # mergekit-moe's gate modes as moemerge router inits that compute them as mergekit does
 GATES = {"hidden": "mergekit_hidden", "hidden_last": "mergekit_hidden",
          "hidden_avg": "mergekit_hidden_avg", "cheap_embed": "mergekit_cheap_embed",
-         "random": "random"}
+         "random": "random", "uniform_random": "uniform"}
 # mergekit-moe's `architecture:` (a prefix of its output's name) as moemerge layouts; None:
 # the base family's own (with a shared expert: DeepSeek-MoE for Llama / Mistral, as mergekit
 # picks it first, Qwen2-MoE for Qwen2)
@@ -35,9 +35,6 @@ def convert_moe(data: dict, notes: list[str]) -> dict:
     if data.get("tokenizer"):
         raise RecipeError("tokenizer: vocabulary surgery cannot be imported")
     gate = data.get("gate_mode", "hidden")
-    if gate == "uniform_random":
-        raise RecipeError("gate_mode: 'uniform_random' (nn.Linear's default init) has no "
-                          "moemerge router init; use random (N(0, std²), router.std)")
     if gate not in GATES:
         raise RecipeError(f"gate_mode: {gate!r} is not one of {', '.join(GATES)}")
     experts = [_expert(e, i) for i, e in enumerate(data.get("experts") or [])]
@@ -47,7 +44,10 @@ def convert_moe(data: dict, notes: list[str]) -> dict:
         notes.append("router: mergekit-moe's random gates are N(0, 1); kept with router.std 1.0 "
                      "(moemerge's default, the model's initializer_range, routes near-uniformly "
                      "instead of saturating); the draws differ")
-    if gate != "random":
+    if gate == "uniform_random":
+        notes.append("router: mergekit-moe's uniform_random gates are U(-1/√H, 1/√H), "
+                     "router.init uniform; the draws differ")
+    elif gate != "random":
         own = "prompts" if gate.startswith("hidden") else "cheap_embed"
         notes.append(f"router.init {GATES[gate]}: mergekit-moe's gate_mode {gate}, computed as "
                      f"it computes it; moemerge's own init from the same prompts is {own} "
@@ -107,12 +107,6 @@ def _shared_expert(data: dict, architecture: str | None) -> tuple[dict | None, s
 
 def _expert(data: dict, i: int, field: str = "experts") -> dict:
     where = f"{field}.{i}"
-    if data.get("noise_scale"):
-        raise RecipeError(f"{where}.noise_scale: adding noise to an expert's weights cannot be "
-                          "imported (it would silently differ); remove it")
-    if data.get("residual_scale") not in (None, 1, 1.0):
-        raise RecipeError(f"{where}.residual_scale: scaling an expert's output cannot be "
-                          "imported")
     extra = sorted(set(data) - {"source_model", "positive_prompts", "negative_prompts",
                                 "noise_scale", "residual_scale"})
     if extra:
@@ -121,6 +115,9 @@ def _expert(data: dict, i: int, field: str = "experts") -> dict:
     for key in ("positive_prompts", "negative_prompts"):
         if data.get(key):
             out[key] = list(data[key])
+    for key in ("noise_scale", "residual_scale"):  # the same fields (noise: other draws)
+        if data.get(key) is not None:
+            out[key] = data[key]
     return out
 
 
