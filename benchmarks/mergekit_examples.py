@@ -35,7 +35,7 @@ from moemerge.toy.published import mergekit_example_models
 
 sys.path.insert(0, str(Path(__file__).parent))
 from mergekit_parity import ensure_mergekit  # noqa: E402
-from stamp import provenance  # noqa: E402
+from stamp import provenance, stamp_line  # noqa: E402
 
 EXAMPLES = Path(__file__).parent.parent / "tests" / "data" / "mergekit"
 RESULTS = Path(__file__).parent / "results"
@@ -162,7 +162,7 @@ def main() -> None:
     (RESULTS / "mergekit_examples.json").write_text(json.dumps({**meta, "rows": rows},
                                                                indent=2) + "\n")
     lines = ["# mergekit's example configs, built by mergekit and by moemerge", "",
-             f"Provenance: {meta['provenance']}; mergekit {version}.", "",
+             stamp_line(meta["provenance"])[:-1] + f"; mergekit {version}.", "",
              "`python benchmarks/mergekit_examples.py` (the module docstring says how). "
              "max |Δ|: over every tensor of the two outputs as transformers loads them, "
              "float32.", "", "| config | max \\|Δ\\| | compared | seconds |",
