@@ -98,7 +98,8 @@ def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:
         shared_width=shared_expert_width(recipe, base),
     )
     return Plan([m.label for m in models], fuse_jobs(layout, jobs), config,
-                notes=downstream_notes(recipe, layout, len(ffn_owners)))
+                notes=downstream_notes(layout, recipe.experts_per_token, len(ffn_owners),
+                                       shared=recipe.shared_expert != "none"))
 
 
 def zero_biases(layout: MoELayout, base: SourceModel, layer: int, dtype) -> list[Job]:

@@ -118,11 +118,11 @@ def shared_expert_width(recipe: MoERecipe, base: SourceModel) -> int | None:
     return None if recipe.shared_expert == "none" else base.config["intermediate_size"]
 
 
-def downstream_notes(recipe: MoERecipe, layout: MoELayout, num_experts: int) -> list[str]:
-    """What a reader of this output should know: llama.cpp's qwen2moe graph skips the top-k
-    renormalisation that config.json's norm_topk_prob: true asks of transformers (when k < N;
-    with k = N the softmax already sums to 1)."""
-    k = recipe.experts_per_token
+def downstream_notes(layout: MoELayout, k: int, num_experts: int, shared: bool) -> list[str]:
+    """What a reader of this output should know: llama.cpp's qwen2moe and deepseek graphs skip
+    the top-k renormalisation that config.json's norm_topk_prob: true asks of transformers
+    (when k < N; with k = N the softmax already sums to 1); DeepSeek's own code skips it for
+    k = 1."""
     if not layout.renormalises_top1 and k == 1:
         return [f"{layout.model_type}: with experts_per_token 1 each token's expert output is "
                 "scaled by its softmax routing weight (the top-k renormalisation applies for "
@@ -133,8 +133,9 @@ def downstream_notes(recipe: MoERecipe, layout: MoELayout, num_experts: int) -> 
     return [
         f"{layout.model_type}: llama.cpp's {layout.model_type.replace('_', '')} graph does not "
         "renormalise the top-k router weights, but this config has norm_topk_prob: true (which "
-        f"transformers applies, and which keeps the identical-experts parity); with "
-        f"experts_per_token {recipe.experts_per_token} < {num_experts} experts, llama.cpp (GGUF) "
-        "computes a different model than transformers. Use experts_per_token: "
-        f"{num_experts} for outputs that must agree in llama.cpp (docs/recipes.md)."
+        "transformers applies" + (", and which keeps the identical-experts parity"
+                                  if not shared else "") + "); with "
+        f"top-{k} of {num_experts} experts, llama.cpp (GGUF) computes a different model than "
+        f"transformers. Route every token to all {num_experts} experts for outputs that must "
+        "agree in llama.cpp (docs/recipes.md)."
     ]

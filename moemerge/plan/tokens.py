@@ -98,15 +98,13 @@ def output_vocabulary(recipe: MergeRecipe, models: list[SourceModel]
     index = {ref.model: i for i, (ref, _) in enumerate(_refs(recipe, models))}
     tokenizers = [load_tokenizer_file(m) for m in models]
     vocabs = [_vocabulary(t, m) for t, m in zip(tokenizers, models, strict=True)]
-    if spec.source == "union":
-        out = _union(tokenizers[0], vocabs, tokenizers)
-    else:
-        source = 0 if spec.source == "base" else index[spec.source]
-        out = tokenizers[source]
-        if len(vocabs[source]) < out.get_vocab_size(with_added_tokens=True):
-            raise RecipeError(f"tokenizer.source: the tokenizer of {models[source].where()} has "
-                              f"tokens past its vocab_size ({models[source].config['vocab_size']}"
-                              "); moemerge does not cut a tokenizer down")
+    source = index[spec.source] if spec.source not in ("union", "base") else 0
+    if len(vocabs[source]) < tokenizers[source].get_vocab_size(with_added_tokens=True):
+        raise RecipeError(f"tokenizer.source: the tokenizer of {models[source].where()} has "
+                          f"tokens past its vocab_size ({models[source].config['vocab_size']}"
+                          "), tokens with no row; moemerge does not cut a tokenizer down")
+    out = _union(tokenizers[0], vocabs, tokenizers) if spec.source == "union" else \
+        tokenizers[source]
     missing = [t for t in spec.tokens if out.token_to_id(t) is None]
     out.add_tokens(missing)
     vocab = out.get_vocab(with_added_tokens=True)
@@ -133,18 +131,20 @@ def _union(base, vocabs: list[dict[str, int]], tokenizers: list):
 
     out = Tokenizer.from_str(base.to_str())  # a copy
     have = set(out.get_vocab(with_added_tokens=True))
-    special: dict[str, object] = {}
+    added_tokens: dict[str, object] = {}  # each model's added tokens, first seen first
     for vocab, tokenizer in zip(vocabs, tokenizers, strict=True):
+        ids = set(vocab.values())
         added = {a.content: a for i, a in tokenizer.get_added_tokens_decoder().items()
-                 if i in vocab.values()}
+                 if i in ids}
         plain = [t for t, _ in sorted(vocab.items(), key=lambda item: item[1])
                  if t not in have and t not in added]
         out.add_tokens(plain)
         have.update(plain)
         for content, token in added.items():
-            special.setdefault(content, token)
-    out.add_special_tokens([t for c, t in special.items() if c not in have and t.special])
-    out.add_tokens([t for c, t in special.items() if c not in have and not t.special])
+            added_tokens.setdefault(content, token)
+    for content, token in added_tokens.items():  # as they were: special or not
+        if content not in have:
+            (out.add_special_tokens if token.special else out.add_tokens)([token])
     return out
 
 
@@ -156,9 +156,10 @@ def _alignment(recipe: MergeRecipe, models: list[SourceModel], vocabs: list[dict
     tokens = len(vocab)
     rows = {m: torch.full((tokens,), -1, dtype=torch.long) for m in range(len(models))}
     for m, model_vocab in enumerate(vocabs):
-        for token, i in model_vocab.items():
-            if token in vocab:
-                rows[m][vocab[token]] = i
+        shared = [(vocab[t], i) for t, i in model_vocab.items() if t in vocab]
+        if shared:
+            at, own_ids = zip(*shared, strict=True)
+            rows[m][list(at)] = torch.tensor(own_ids)
     base = 0 if recipe.base_model is not None else None
     have = torch.stack(list(rows.values())) >= 0  # [models, tokens]
     everywhere = have.all(dim=0)

@@ -76,9 +76,9 @@ def load_tokenizer_file(model: SourceModel):
 
     file = model.path / TOKENIZER_FILE
     if not file.is_file():
-        raise RecipeError(f"tokenizer: the experts' vocabularies differ, and mapping them needs "
-                          f"each expert's {TOKENIZER_FILE}, but {file} ({model.label}) is "
-                          "missing; save the expert's fast tokenizer next to its weights")
+        raise RecipeError(f"tokenizer: mapping vocabularies onto another needs each model's "
+                          f"{TOKENIZER_FILE}, but {file} ({model.label}) is missing; save the "
+                          "model's fast tokenizer next to its weights")
     confined(file.relative_to(model.path), model.path)
     try:
         return Tokenizer.from_str(file.read_text())

@@ -122,3 +122,21 @@ def test_without_a_tokenizer_block_different_vocabularies_are_refused(three, tmp
     with pytest.raises(RecipeError, match="tokenizer: model 'x/y' is not one of"):
         merged(tmp_path, f"kind: merge\nmodels: [{a}, {b}]\nmerge: {{method: average}}\n"
                "tokenizer: {source: x/y}\n")
+
+
+def test_bad_token_sources_and_missing_tokenizers_name_the_problem(three, tmp_path):
+    import shutil
+
+    a, b, _ = three
+    with pytest.raises(RecipeError, match=r"tokenizer.tokens.<x>: .* has no row for 99999"):
+        merged(tmp_path, f"kind: merge\nmodels: [{a}, {b}]\nmerge: {{method: average}}\n"
+               f"tokenizer:\n  tokens:\n    '<x>': {{source: {{model: {a}, token_id: 99999}}}}\n")
+    with pytest.raises(RecipeError, match="has no such token"):
+        merged(tmp_path, f"kind: merge\nmodels: [{a}, {b}]\nmerge: {{method: average}}\n"
+               f"tokenizer:\n  tokens:\n    '<x>': {{source: {a}}}\n")
+    bare = shutil.copytree(b, tmp_path / "bare")
+    (bare / "tokenizer.json").unlink()
+    with pytest.raises(RecipeError, match=r"needs each model's tokenizer.json, but .*bare"):
+        merged(tmp_path, f"kind: merge\nmodels: [{a}, {bare}]\nmerge: {{method: average}}\n"
+               "tokenizer: {source: union}\n")
+    assert not (tmp_path / "out").exists()  # nothing written

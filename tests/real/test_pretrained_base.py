@@ -80,6 +80,12 @@ KINDS = {  # name -> recipe lines after the models; experts are two copies of th
     "merged_experts": ["kind: moe", "assembly: merged_experts"],
     "upcycle": ["kind: upcycle", "experts: 4", "granularity: 2", "experts_per_token: 2",
                 "router: {init: virtual_group}"],
+    # DeepSeek-MoE (moemerge's shipped modeling code): without a shared expert, and upcycled
+    # with one (the first of 4 slices always on, 3 routed per copy)
+    "deepseek": ["kind: moe", "assembly: token_routed", "layout: deepseek",
+                 "experts_per_token: 2", "router: {init: random}"],
+    "upcycle-deepseek": ["kind: upcycle", "experts: 2", "granularity: 4", "shared_experts: 1",
+                         "experts_per_token: 1", "router: {init: virtual_group}"],
 }
 
 
@@ -90,7 +96,7 @@ def built(real_base, tmp_path_factory):
 
     def make(kind: str):
         if kind not in made:
-            models = ([f"model: {real_base}"] if kind == "upcycle" else
+            models = ([f"model: {real_base}"] if kind.startswith("upcycle") else
                       [f"base_model: {real_base}", f"experts: [{real_base}, {real_base}]"])
             recipe = "\n".join([*KINDS[kind][:2], *models, *KINDS[kind][2:],
                                 "output: {dtype: float32}"]) + "\n"
