@@ -181,7 +181,7 @@ def markdown(result: dict) -> str:
         f"torch {result['torch']}, transformers {result.get('transformers', '?')}; "
         f"{result['date']}; whole run {result['runtime_s'] / 60:.1f} min, with the expert set "
         f"cached (making it the first time took {result['toy_make_s'] / 60:.1f} min more).", "",
-        *([f"Provenance: {stamp_line(result['provenance'])}", ""]
+        *([stamp_line(result["provenance"]), ""]
           if "provenance" in result else []),
         *(["**Partial**: the run wrote this after each row and stopped before the last "
            f"({len(rows)} rows here); the rows it did not reach are missing, not skipped.", ""]

@@ -36,6 +36,7 @@ from .curvature_moemerge import KroneckerCurvature, dare_expert_mask, ties_mask
 from .pretrained_moemerge import (
     CACHE,
     MoemergeModel,
+    checkpointing,
     dense_config,
     ffn_activation,
     given_cache,
@@ -275,7 +276,7 @@ class MoemergeMergedForCausalLM(MoemergeModel, PreTrainedModel, GenerationMixin)
             cache = MergedCache(self.dense_config)
         step = self.step
         step.weights = self.merged_weights(
-            lazy=self.training and self.is_gradient_checkpointing and torch.is_grad_enabled())
+            lazy=self.training and checkpointing(self) and torch.is_grad_enabled())
         step.cache = cache if isinstance(cache, MergedCache) else None
         step.offset = cache.get_seq_length() if cache is not None else 0
         step.mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 \

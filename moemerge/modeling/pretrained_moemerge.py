@@ -19,6 +19,15 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
+def checkpointing(model) -> bool:
+    """Whether `model` trains with activation (gradient) checkpointing: transformers 5's
+    `is_activation_checkpointing` (its `is_gradient_checkpointing` warns and goes in v6),
+    transformers 4's `is_gradient_checkpointing`."""
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"
+    return bool(getattr(model, name))
+
+
 def given_cache(cache, past_key_values):
     """The cache a caller passed by either name (generate() passes `cache` from 5.24 on)."""
     return cache if cache is not None else past_key_values
