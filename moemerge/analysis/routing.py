@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from moemerge.architectures.tables import moe_layouts
+from moemerge.architectures.tables import expert_count_keys
 from moemerge.data import domain_texts
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.eval.perplexity import perplexity, window_counts
@@ -94,7 +94,7 @@ def moe_shape(config, where: str) -> tuple[int, int]:
         return len(config.experts), int(config.num_experts_per_seq)
     if is_merged_experts(config):
         return int(config.num_experts), int(config.num_experts)
-    keys = dict.fromkeys(layout.num_experts_key for layout in moe_layouts().values())
+    keys = expert_count_keys()
     experts = next((getattr(config, key) for key in keys if getattr(config, key, None)), None)
     k = getattr(config, "num_experts_per_tok", None)
     if not experts or not k:

@@ -171,6 +171,11 @@ def moe_layouts() -> dict[str, MoELayout]:
     return {name: layout(name, spec) for name, spec in _load("moe.yaml").items()}
 
 
+def expert_count_keys() -> tuple[str, ...]:
+    """The config.json keys that hold a token-routed MoE's expert count, one per layout key."""
+    return tuple(dict.fromkeys(layout.num_experts_key for layout in moe_layouts().values()))
+
+
 def family_for_config(config: dict, where: str) -> DenseFamily:
     """The dense family of a checkpoint, from its config.json `model_type`."""
     model_type = config.get("model_type")

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from moemerge.architectures.tables import moe_layouts
+from moemerge.architectures.tables import expert_count_keys, moe_layouts
 from moemerge.build_options import GGUF_TYPES
 from moemerge.errors import OutputError, RecipeError
 
@@ -43,7 +43,7 @@ LLAMA_CPP_MAX_EXPERTS = 1024
 
 def too_many_experts(config: dict) -> str | None:
     """Why llama.cpp cannot load an MoE of this config's expert count, or None."""
-    keys = dict.fromkeys(layout.num_experts_key for layout in moe_layouts().values())
+    keys = expert_count_keys()
     count = next((config[key] for key in keys if isinstance(config.get(key), int)), 0)
     if count > LLAMA_CPP_MAX_EXPERTS:
         return (f"{count} experts per layer: llama.cpp loads at most {LLAMA_CPP_MAX_EXPERTS} "

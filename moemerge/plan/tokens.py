@@ -95,7 +95,7 @@ def output_vocabulary(recipe: MergeRecipe, models: list[SourceModel]
     plan's, the base first when the recipe has one."""
     spec = recipe.tokenizer
     assert spec is not None
-    index = {ref.model: i for i, (ref, _) in enumerate(_refs(recipe, models))}
+    index = {ref.model: i for i, ref in enumerate(recipe.plan_refs)}
     tokenizers = [load_tokenizer_file(m) for m in models]
     vocabs = [_vocabulary(t, m) for t, m in zip(tokenizers, models, strict=True)]
     source = index[spec.source] if spec.source not in ("union", "base") else 0
@@ -112,11 +112,6 @@ def output_vocabulary(recipe: MergeRecipe, models: list[SourceModel]
         raise RecipeError(f"tokenizer: the output vocabulary's ids are not 0..{len(vocab) - 1} "
                           "(a tokenizer with gaps in its ids); moemerge cannot lay its rows out")
     return out.to_str(), _alignment(recipe, models, vocabs, vocab, index)
-
-
-def _refs(recipe: MergeRecipe, models: list[SourceModel]):
-    refs = ([recipe.base_model] if recipe.base_model is not None else []) + list(recipe.models)
-    return list(zip(refs, models, strict=True))
 
 
 def _vocabulary(tokenizer, model: SourceModel) -> dict[str, int]:

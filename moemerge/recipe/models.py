@@ -284,13 +284,17 @@ class MergeRecipe(_RecipeBase):
         return slice_models(self.slices) if self.slices else self.models
 
     @property
+    def plan_refs(self) -> list[ModelRef]:
+        """The models of a `models` merge in plan order: the base first, when there is one."""
+        return ([self.base_model] if self.base_model is not None else []) + list(self.models)
+
+    @property
     def tokenizer_index(self) -> int:
-        """The model (plan order: the base first) whose tokenizer files the output starts
-        from: the tokenizer block's source model, else the first."""
+        """The model (plan order) whose tokenizer files the output starts from: the tokenizer
+        block's source model, else the first."""
         if self.tokenizer is None or self.tokenizer.source in ("union", "base"):
             return 0
-        refs = ([self.base_model] if self.base_model is not None else []) + list(self.models)
-        return next(i for i, r in enumerate(refs) if r.model == self.tokenizer.source)
+        return next(i for i, r in enumerate(self.plan_refs) if r.model == self.tokenizer.source)
 
     @property
     def merges_vocabularies(self) -> bool:
@@ -400,8 +404,7 @@ def tokenizer_problems(recipe: MergeRecipe) -> list[str]:
     assert recipe.tokenizer is not None
     if recipe.slices:
         return ["tokenizer: a merged vocabulary with `slices` is not supported; merge `models`"]
-    known = {m.model for m in recipe.models} | (
-        {recipe.base_model.model} if recipe.base_model is not None else set())
+    known = {m.model for m in recipe.plan_refs}
     return [f"tokenizer: model {name!r} is not one of the recipe's models ("
             + ", ".join(sorted(known)) + ")"
             for name in dict.fromkeys(recipe.tokenizer.models_named()) if name not in known]
