@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from moemerge.errors import CheckpointError
 from moemerge.loading import load_pretrained
-from moemerge.recipe.models import MERGEKIT_INITS, ExpertRef
+from moemerge.recipe.models import ExpertRef
 from moemerge.routing.init import contrast_rows
 
 
@@ -131,9 +131,6 @@ def _stack_layers(positive, negative, include_base: bool) -> torch.Tensor:
             rows = torch.cat([rows, torch.zeros(1, hidden)])
         per_layer.append(rows)
     return torch.stack(per_layer)
-
-
-MERGEKIT_GATES = MERGEKIT_INITS
 
 
 def mergekit_gate_rows(base_dir: Path, experts: list[ExpertRef], init: str, *, layers: int,

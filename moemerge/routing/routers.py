@@ -16,10 +16,9 @@ from moemerge.plan.jobs import Job, Source
 from moemerge.plan.shared_expert import shared_gate_from_prompts
 from moemerge.plan.sources import SourceModel
 from moemerge.recipe.kinds import kind_of
-from moemerge.recipe.models import MoERecipe
+from moemerge.recipe.models import MERGEKIT_INITS, MoERecipe
 from moemerge.routing.init import random_router, task_vector_router, uniform_router
 from moemerge.routing.prompts import (
-    MERGEKIT_GATES,
     embed_router_rows,
     mergekit_gate_rows,
     prompt_router_rows,
@@ -48,7 +47,7 @@ class TokenRouters:
         elif init == "cheap_embed":
             embed, norms = _embed_and_norms(base)
             self._rows = embed_router_rows(base.path, recipe.experts, embed, norms, **kwargs)
-        elif init in MERGEKIT_GATES:  # as mergekit-moe computes them (an imported config)
+        elif init in MERGEKIT_INITS:  # as mergekit-moe computes them (an imported config)
             embed = _embed_and_norms(base)[0] if init == "mergekit_cheap_embed" else None
             # a prompted shared expert's gate row is computed with the experts' (as mergekit)
             shared = [recipe.shared_model] if shared_gate_from_prompts(recipe) else []
