@@ -30,12 +30,14 @@ PROMPT_TOKENS = 32  # each window: a prompt (sequence-routed models route on it)
 
 
 def preset_spec(name: str, others: tuple[str, ...] = (), real: bool = False):
-    """The toy set of preset `name` (with `real`, also the real experts' 'smollm2-experts');
-    `others` are more names the caller accepts (said in the error)."""
+    """The toy set of preset `name` (with `real`, also the real experts' 'smollm2-experts' and
+    'gemma3-experts'); `others` are more names the caller accepts (said in the error)."""
     from moemerge.toy import DEMO, TINY
-    from moemerge.toy.real_experts import REAL
+    from moemerge.toy.real_experts import GEMMA3_MATH, REAL
 
-    presets = {"demo": DEMO, "tiny": TINY} | ({"smollm2-experts": REAL} if real else {})
+    presets = {"demo": DEMO, "tiny": TINY}
+    if real:
+        presets |= {"smollm2-experts": REAL, "gemma3-experts": GEMMA3_MATH}
     if name not in presets:
         raise RecipeError(f"--preset: must be one of {', '.join([*presets, *others])}, got "
                           f"{name!r}")

