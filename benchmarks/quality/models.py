@@ -30,6 +30,7 @@ PROMPTS = {
 TIES = "{method: ties, density: 0.7, lambda: 0.5}"
 DARE = "{method: dare_ties, density: 0.7, lambda: 0.5}"
 SEEDED = {"token_random", "upcycle"}  # builds whose weights depend on the recipe's seed
+TUNED = {"dense_ties", "dense_dare", "token_cal_ties"}  # built with `build --tune-on`
 
 
 def _experts(paths: dict[str, Path], prompts: bool = False) -> list[str]:
@@ -67,6 +68,10 @@ def recipes(ts, seed: int, prompt: int, tokens: int = 8192) -> dict[str, list[st
         "token_prompts": [*token, *_experts(ts.experts, prompts=True), "router: {init: prompts}"],
         "token_cal": [*token, *_experts(ts.experts), "router: {init: calibrate}",
                       calibration(ts, 128, tokens)],
+        # the shared (non-FFN) tensors by TIES, λ / density tuned on the MoE itself
+        "token_cal_ties": [*moe, base, "experts_per_token: 2", f"merge: {TIES}",
+                           *_experts(ts.experts), "router: {init: calibrate}",
+                           calibration(ts, 128, tokens)],
         "seq_ppl": [*seq, "router: {kind: perplexity}"],
         "seq_tv": [*seq, "router: {kind: task_vector}"],
         "seq_cal": [*seq, "router: {kind: learned, init: calibrate}",
@@ -134,7 +139,7 @@ class Models:
                               else 0)
             steps, lr = self.steps(t.phase)
             return finetune(self.ts, parent, out, list(t.parts), steps, lr, seed, self.args)
-        tune = self.tune if key in ("dense_ties", "dense_dare") else None
+        tune = self.tune if key in TUNED else None
         result = build_result(recipes(self.ts, seed, self.args.prompt_tokens,
                                              self.args.calibration_tokens)[key], out, tune)
         if result.tuning is not None:

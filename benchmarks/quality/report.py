@@ -152,11 +152,21 @@ def setup(result: dict) -> str:
             f"domain's held-out text, at most {s['max_tokens']} tokens each, in windows of "
             f"{s['seq_len'] + 1} tokens: the first {s['prompt_tokens']} are a prompt "
             "(sequence-routed models choose their experts there), the rest go through the KV "
-            "cache and are scored. The dense TIES and DARE-TIES merges have λ and density tuned "
-            "per tensor role on the first third (`build --tune-on`"
+            "cache and are scored. The dense TIES and DARE-TIES merges (and the token_routed MoE "
+            "whose shared tensors are merged by TIES) have λ and density tuned per tensor role "
+            "on the first third (`build --tune-on`"
             + (", every domain weighing the same" if result.get("tune_balanced") else
                ", on the domains' texts joined: mostly the first domain")
             + "); routers are calibrated on the training text.")
+
+
+def added_note(rows: dict) -> list[str]:
+    """Where the rows that later `--only ... --update` runs added come from."""
+    added = [f"{label} ({row['added']['date']}, commit {row['added']['provenance']['commit']}, "
+             f"{row['summary']['seeds']} seed(s))" for label, row in rows.items()
+             if "added" in row]
+    return [f"**Rows added by later runs** (`run.py --only KEYS --update`, same expert set and "
+            f"settings unless said): {'; '.join(added)}.", ""] if added else []
 
 
 def _exact(row: dict, task: str) -> str:
@@ -186,6 +196,7 @@ def markdown(result: dict) -> str:
         *(["**Partial**: the run wrote this after each row and stopped before the last "
            f"({len(rows)} rows here); the rows it did not reach are missing, not skipped.", ""]
           if result.get("complete") is False else []),
+        *added_note(rows),
         setup(result), "",
         f"**Training.** Batches of {s['batch_size']} × {s['seq_len']} tokens of the training "
         f"text (all domains), AdamW, warm-up + cosine. Routers (and CAMEx curvature): "

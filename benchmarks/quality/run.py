@@ -62,10 +62,11 @@ PRESETS = {
 }
 
 
-def rows(ts, a) -> list[tuple[str, str, bool]]:
-    """(label, model key, trained over seeds) of every row, in the table's order."""
+def rows(ts, a, every_row: bool = False) -> list[tuple[str, str, bool]]:
+    """(label, model key, trained over seeds) of every row, in the table's order; without
+    `every_row`, less the preset's and --skip's."""
     r, f, p = a.steps, a.full_steps, a.steps + a.full_steps
-    skipped = PRESETS[a.preset][1] | set(filter(None, a.skip.split(",")))
+    skipped = set() if every_row else (PRESETS[a.preset][1] | set(filter(None, a.skip.split(","))))
     btx = []
     if hasattr(ts.spec, "steps"):  # real experts: BTX's control, the experts' compute
         n, s = len(ts.experts), ts.spec.steps
@@ -83,6 +84,8 @@ def rows(ts, a) -> list[tuple[str, str, bool]]:
         ("token_routed, random router", "token_random", False),
         ("token_routed, prompts router", "token_prompts", False),
         ("token_routed, calibrate (no training)", "token_cal", False),
+        ("token_routed, calibrate, shared tensors by TIES, tuned λ / density", "token_cal_ties",
+         False),
         (f"token_routed, random + routers {r} steps", "token_random+r", True),
         (f"token_routed, calibrate + routers {r} steps", "token_cal+r", True),
         (f"token_routed, calibrate + routers {r} + full {f} steps", "token_cal+r+f", True),
@@ -185,10 +188,15 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma-separated row keys left out of "
                         "the results (e.g. dense_btx, whose training takes ~40 min on 2 cores)")
     parser.add_argument("--only", default="", help="comma-separated row keys (a partial run "
-                        "for trying changes; writes no results)")
+                        "for trying changes; writes no results unless --update)")
+    parser.add_argument("--update", action="store_true", help="with --only: add those rows to "
+                        "the preset's result files (replacing rows of the same key), each "
+                        "stamped with this run's provenance and settings")
     preset = parser.parse_known_args()[0].preset
     parser.set_defaults(**PRESETS[preset][0])
     args = parser.parse_args()
+    if args.update and not args.only:
+        parser.error("--update adds the rows of an --only run to the result files; give --only")
     torch.set_num_threads(args.threads)
     clock, times = time.perf_counter(), {}
 
@@ -240,10 +248,32 @@ def main() -> None:
                 write_results(result_record(args, ts, models, results, clock, times, made,
                                             complete=False))
         result = result_record(args, ts, models, results, clock, times, made, complete=True)
+    if args.update:
+        result = updated(result, rows(ts, args, every_row=True))
     print(markdown(result))
     print(f"runtime: {result['runtime_s']:.0f} s")
-    if not only:
+    if not only or args.update:
         write_results(result)
+
+
+def updated(run: dict, order: list[tuple[str, str, bool]]) -> dict:
+    """The preset's saved result with the rows of `run` (an --only run) added, each row keeping
+    where it came from (`added`: its run's provenance and settings); rows in the table's order."""
+    saved = json.loads((RESULTS / f"{result_name(run['preset'])}.json").read_text())
+    for row in run["rows"].values():
+        row["added"] = {"provenance": run["provenance"], "settings": run["settings"],
+                        "date": run["date"]}
+    keys = [key for _, key, _ in order]
+    merged = {label: row for label, row in saved["rows"].items()
+              if row["key"] not in {r["key"] for r in run["rows"].values()}} | run["rows"]
+    saved["rows"] = dict(sorted(merged.items(), key=lambda item: keys.index(item[1]["key"])
+                                if item[1]["key"] in keys else len(keys)))
+    saved["tuned"] |= run["tuned"]
+    return saved
+
+
+def result_name(preset: str) -> str:
+    return "quality-smollm2" if preset == "smollm2" else "quality"
 
 
 def result_record(args, ts, models, results: dict, clock: float, times: dict, made: float,
@@ -268,7 +298,7 @@ def result_record(args, ts, models, results: dict, clock: float, times: dict, ma
 
 def write_results(result: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
-    name = "quality-smollm2" if result["preset"] == "smollm2" else "quality"
+    name = result_name(result["preset"])
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
     (RESULTS / f"{name}.md").write_text(markdown(result))
     plot(result, RESULTS / f"{name}.png")
