@@ -92,6 +92,9 @@ def merge(method: str, *, base: Tensor | None, tensors: Sequence[Tensor], weight
     kwargs = call_arguments(spec, params, len(tensors))
     if not tensors[0].is_floating_point():
         return tensors[0]
+    if spec.native is not None and (out := spec.native_function(
+            base, tensors, weights, dtype=dtype, **kwargs)) is not None:
+        return out
     rows = blocks.row_blocks(tensors[0].shape, block or blocks.BLOCK_ELEMENTS)
     statistics = spec.block_statistics
     extra = None if len(rows) == 1 or not spec.runs_in_blocks(kwargs) else statistics(

@@ -95,6 +95,9 @@ class MethodSpec:
     blocks: str | None = None
     # (parameter, value) pairs that need the whole tensor at once even so
     whole_if: tuple[tuple[str, object], ...] = ()
+    # "module:function" of a compiled kernel giving the same bytes (merge/native), tried first;
+    # it returns None where it does not apply, and the torch code runs
+    native: str | None = None
 
     def problem(self, values: dict[str, object]) -> str | None:
         """Why these parameter values (defaults filled in) do not go together, or None."""
@@ -132,6 +135,10 @@ class MethodSpec:
     @property
     def function(self) -> Callable:
         return load_target(self.target)
+
+    @property
+    def native_function(self) -> Callable | None:
+        return None if self.native is None else load_target(self.native)
 
     @property
     def block_statistics(self) -> Callable | None:
@@ -228,7 +235,7 @@ METHOD_SPECS = (
           (LAMBDA, NORMALIZE), "methods:task_arithmetic", "elementwise", signed_weights=True),
     _spec("ties", "trim, elect sign, disjoint mean", "Yadav et al. 2023", "required",
           (DENSITY, LAMBDA, ROUNDING, *CONSENSUS_PARAMS), "methods:ties", "trim_thresholds",
-          whole_if=SORTED),
+          whole_if=SORTED, native=_M + "native:ties"),
     _spec("dare_linear", "random drop and rescale, then task arithmetic", "Yu et al. 2024",
           "required", (DENSITY, LAMBDA, NORMALIZE, RESCALE), "methods:dare_linear", "dare_l1",
           random=True, signed_weights=True),

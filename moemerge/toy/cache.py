@@ -9,16 +9,11 @@ rename wins and the loser uses its entry.
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 from moemerge.io.atomic import owned_tempdir, sweep_stale
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MOEMERGE_CACHE") or Path.home() / ".cache" / "moemerge")
 
 
 def cached_entry(final: Path, done_file: str, make: Callable[[Path], None],

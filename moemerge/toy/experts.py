@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from moemerge.loading import quiet_transformers
-from moemerge.toy.cache import cache_root, cached_entry
+from moemerge.paths import cache_root
+from moemerge.toy.cache import cached_entry
 from moemerge.toy.corpora import DOMAINS, domain_texts
 from moemerge.toy.tokenizer import train_tokenizer
 from moemerge.toy.train import (

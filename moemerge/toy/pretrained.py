@@ -22,7 +22,8 @@ from pathlib import Path
 
 from moemerge.errors import CheckpointError
 from moemerge.loading import quiet_transformers
-from moemerge.toy.cache import cache_root, cached_entry
+from moemerge.paths import cache_root
+from moemerge.toy.cache import cached_entry
 
 FORMAT_VERSION = 2  # bump when the conversion changes what it writes
 DONE_FILE = "pretrained.json"

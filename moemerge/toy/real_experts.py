@@ -30,7 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from moemerge.loading import quiet_transformers
-from moemerge.toy.cache import cache_root, cached_entry
+from moemerge.paths import cache_root
+from moemerge.toy.cache import cached_entry
 from moemerge.toy.experts import ToySet, progress_bars, write_texts
 from moemerge.toy.train import token_stream, train_lm, window_loss
 

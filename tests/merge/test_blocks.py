@@ -14,6 +14,8 @@ from moemerge.merge.registry import METHOD_SPECS, get
 ROWS, COLS = 37, 29  # 1073 entries: blocks of 64 entries are 2 rows, the last one short
 BLOCK = 64
 
+pytestmark = pytest.mark.usefixtures("torch_code")  # the torch row-block path
+
 
 def _models(n: int = 3, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)

@@ -10,6 +10,8 @@ BASE = torch.zeros(4)
 A = torch.tensor([4.0, -3.0, 2.0, 1.0])
 B = torch.tensor([1.0, 2.0, 3.0, 4.0])
 
+pytestmark = pytest.mark.usefixtures("torch_code")  # the torch row-block path
+
 
 def test_ties_trims_each_model_at_its_own_density():
     # A at 0.5 keeps [4, -3, 0, 0]; B at 0.25 keeps [0, 0, 0, 4]; the votes [4, -3, 0, 4]
