@@ -156,3 +156,13 @@ def train_text(tmp_path_factory):
     path = tmp_path_factory.mktemp("text") / "code.txt"
     path.write_text(TEXT * 40)
     return path
+
+
+@pytest.fixture
+def torch_code(monkeypatch):
+    """The torch merges themselves, the compiled kernel (merge/native) set aside: the tests of
+    the torch code's row blocks; tests/merge/test_native.py checks the kernel's bytes against
+    them."""
+    from moemerge.merge import native
+
+    monkeypatch.setattr(native, "library", lambda: None)

@@ -5,11 +5,21 @@ import os
 
 import pytest
 import torch
+from conftest import perturbed_copy, write_recipe
 
+from moemerge.api import build
 from moemerge.merge import dispatch, native
 
-requires_kernel = pytest.mark.skipif(native.library() is None,
-                                     reason="no C compiler: the torch code runs everywhere")
+
+@pytest.fixture
+def kernel():
+    """Skips where the kernel cannot be built (no C compiler: the torch code runs there);
+    compiled into the test session's cache, never the user's."""
+    if native.library() is None:
+        pytest.skip("no C compiler: the torch code runs everywhere")
+
+
+requires_kernel = pytest.mark.usefixtures("kernel")
 
 
 def torch_ties(monkeypatch, **kw):
@@ -140,3 +150,21 @@ def test_compiled_once_per_cache(monkeypatch, tmp_path):
         assert built.stat().st_mtime_ns == stamp and len(os.listdir(built.parent)) == 1
     finally:
         native.library.cache_clear()
+
+
+@requires_kernel
+def test_a_build_writes_the_same_bytes_either_way(model_factory, tmp_path, monkeypatch):
+    """A bf16 TIES build through the whole pipeline (tied embeddings, every role), with the
+    kernel and with the torch code: the same safetensors bytes."""
+    base = model_factory("llama", dtype=torch.bfloat16, tie_word_embeddings=True)
+    models = [perturbed_copy(base, tmp_path / f"m{i}", scale=0.05, seed=i) for i in range(3)]
+    recipe = write_recipe(tmp_path / "ties.yaml", f"kind: merge\nbase_model: {base}\n"
+                          f"models: [{', '.join(map(str, models))}]\n"
+                          "merge: {method: ties, density: 0.4, lambda: 0.8}\n")
+    build(recipe, tmp_path / "kernel", progress=False)
+    with monkeypatch.context() as m:
+        m.setattr(native, "library", lambda: None)
+        build(recipe, tmp_path / "torch", progress=False)
+    written = sorted(p.name for p in (tmp_path / "kernel").glob("*.safetensors"))
+    assert written and all((tmp_path / "kernel" / n).read_bytes()
+                           == (tmp_path / "torch" / n).read_bytes() for n in written)
