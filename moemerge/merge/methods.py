@@ -80,6 +80,12 @@ def consensus_merge(base: Tensor, taus: Tensor, w: Tensor, lam: float, *, normal
     """θ_base + λ · disjoint_mean(τ, elect_sign(w · τ), w): the second half of every
     sign-consensus method (TIES, DARE-TIES, breadcrumbs-TIES, DELLA), after its own sparsifier.
     `taus` is the sparsifier's fresh stack, overwritten here (no copy of it is made)."""
+    from moemerge.merge import native  # (it imports this module)
+
+    fast = native.consensus(base, taus, w, lam, normalize=normalize, consensus=consensus,
+                            zero_vote=zero_vote)
+    if fast is not None:  # the same bytes, one pass
+        return fast
     sign = elect_sign(taus, w, consensus, zero_vote)
     return base.float() + lam * disjoint_mean_(taus.float(), sign, w, normalize)
 

@@ -22,10 +22,11 @@ def kernel():
 requires_kernel = pytest.mark.usefixtures("kernel")
 
 
-def torch_ties(monkeypatch, **kw):
+def torch_ties(monkeypatch, method: str = "ties", **kw):
+    """The merge by the torch code alone."""
     with monkeypatch.context() as m:
         m.setattr(native, "library", lambda: None)
-        return dispatch.merge("ties", **kw)
+        return dispatch.merge(method, **kw)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -68,6 +69,32 @@ def test_same_bytes_as_torch(monkeypatch, shape, n, dtype):
             assert fast is not None
             assert same_bits(fast, dispatch.merge("ties", **kw)), (params, weights, out)
             assert same_bits(fast, torch_ties(monkeypatch, **kw)), (params, weights, out)
+
+
+@requires_kernel
+@pytest.mark.parametrize("method, params", [
+    ("dare_ties", {"density": 0.5}), ("dare_ties", {"density": 0.6, "rescale": "l1"}),
+    ("breadcrumbs_ties", {"density": 0.8, "gamma": 0.05}),
+    ("della", {"density": 0.6, "epsilon": 0.1, "lambda": 0.9}),
+    ("ties", {"density": 0.5, "trim_rounding": "sort", "zero_vote": "positive"})])
+@pytest.mark.parametrize("shape", [(576,), (600, 512)])
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_consensus_of_other_methods_gives_the_same_bytes(monkeypatch, method, params,
+                                                             shape, n):
+    """DARE-TIES, breadcrumbs-TIES, DELLA (and TIES where its own kernel steps aside) sparsify
+    in torch and elect in the kernel: the bytes of the torch code, random masks included."""
+    from moemerge.merge.primitives import generator_for
+
+    base, models = experts(shape, n, torch.bfloat16, seed=7)
+    used, real = [], native.consensus
+    monkeypatch.setattr(native, "consensus", lambda *a, **k: used.append(real(*a, **k)) or used[-1])
+    for weights in (None, [0.3, 2.0, 1.5, 0.7][:n]):
+        kw = dict(base=base, tensors=models, weights=weights, dtype=torch.bfloat16, **params)
+        used.clear()
+        fast = dispatch.merge(method, generator=generator_for(1, "t"), **kw)
+        assert used and all(out is not None for out in used)  # the kernel ran, every block
+        slow = torch_ties(monkeypatch, method=method, generator=generator_for(1, "t"), **kw)
+        assert same_bits(fast, slow), (method, params, weights)
 
 
 def _call(params: dict) -> dict:

@@ -1,12 +1,14 @@
-"""TIES as a compiled kernel: two streaming passes over the inputs instead of eager torch's
-dozen, with the same bytes out.
+"""TIES as a compiled kernel: three streaming passes over the inputs instead of eager torch's
+dozen, with the same bytes out; and the sign consensus of the other TIES-family methods.
 
 Eager TIES makes every intermediate a tensor (the float32 task vectors, their magnitudes, keys,
 masks, the vote, the agreement, the weighted sums): at the Llama-3.2-1B shape with 4 experts it
 runs ~11× the I/O floor, compute-bound. ties.c does, per entry, the same float32 operations in
 the same order (so the bytes are identical; tests/merge/test_native.py compares them bit for
 bit), streaming the bf16 / float32 inputs three times: two histograms that give each model's
-trim threshold exactly, then the merge.
+trim threshold exactly, then the merge. DARE-TIES, breadcrumbs-TIES and DELLA sparsify in torch
+(their random masks and bands) and hand their float32 task vectors to the same consensus
+(`consensus`, one pass where the torch code makes ten).
 
 The library is compiled on first use with the system's C compiler ($CC, else cc) into
 $MOEMERGE_CACHE/native (one file per source, compiler and CPU, written atomically) and loaded
@@ -49,6 +51,8 @@ _SIGNATURES = {
     "ties_histogram_low": (_P, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int, _P, _P),
     "ties_merge": (_P, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int, _P, _P, ctypes.c_float,
                    ctypes.c_int, ctypes.c_int, _P, ctypes.c_int),
+    "ties_consensus": (_P, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int, _P, ctypes.c_float,
+                       ctypes.c_int, ctypes.c_int, _P, ctypes.c_int),
 }
 
 
@@ -128,6 +132,26 @@ def ties(base: Tensor, tensors: Sequence[Tensor], weights, *, density, lam: floa
     lib.ties_merge(*call, thresholds.data_ptr(), None if w is None else w.data_ptr(),
                    float(lam), int(normalize), int(zero_vote == "positive"), out.data_ptr(),
                    DTYPES[dtype])
+    return out
+
+
+def consensus(base: Tensor, taus: Tensor, w: Tensor, lam: float, *, normalize: bool,
+              consensus: str, zero_vote: str) -> Tensor | None:
+    """methods.consensus_merge (elect, disjoint mean, θ_base + λ · that) of the sparsified
+    task vectors `taus` [N, *shape] float32, in float32, the same bytes; None where the kernel
+    does not apply or is not built."""
+    if (not 1 <= taus.shape[0] <= MAX_MODELS or consensus != "sum" or base.numel() == 0
+            or base.dtype not in DTYPES or taus.dtype != torch.float32
+            or base.device.type != "cpu" or taus.device.type != "cpu"
+            or (lib := library()) is None):
+        return None
+    base, taus = base.contiguous(), taus.contiguous()
+    weights = None if bool((w == 1).all()) else w.to(torch.float32).contiguous()
+    out = torch.empty(base.shape, dtype=torch.float32)
+    lib.ties_consensus(base.data_ptr(), taus.data_ptr(), taus.shape[0], base.numel(),
+                       DTYPES[base.dtype], None if weights is None else weights.data_ptr(),
+                       float(lam), int(normalize), int(zero_vote == "positive"), out.data_ptr(),
+                       DTYPES[torch.float32])
     return out
 
 

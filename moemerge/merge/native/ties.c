@@ -11,7 +11,9 @@
  *                       the first: with both, the k-th largest |tau| is exact, no sort, no
  *                       copy of the entries (a non-negative float32 orders as its bits);
  *   ties_merge:         trim at the thresholds, elect the sign of the (weighted) sum, the
- *                       disjoint (weighted) mean, theta_base + lambda * that, in the output dtype.
+ *                       disjoint (weighted) mean, theta_base + lambda * that, in the output dtype;
+ *   ties_consensus:     the same from the elect on, for task vectors another method sparsified
+ *                       (DARE-TIES, breadcrumbs-TIES, DELLA): a float32 [n, count] stack.
  */
 #include <math.h>
 #include <stdint.h>
@@ -75,50 +77,78 @@ INLINE void histogram_low(const void *base, const void *const *models, int n, in
 #define CHUNK 512 /* entries per chunk: its float32 rows (one per model) stay in L1 */
 
 /* One simple loop per step over a chunk, each of which the compiler vectorises; per entry the
- * steps are those of the torch code, in its order (comparisons become 0.0 / 1.0 and multiply). */
+ * steps are those of the torch code, in its order (comparisons become 0.0 / 1.0 and multiply).
+ * elect + disjoint mean + base + lambda * that (methods.consensus_merge) of a chunk whose base
+ * values are b[] and whose sparsified task vectors are tau[i][]: */
+INLINE void consensus(int n, int len, const float *b, float tau[][CHUNK], const float *weights,
+                      float lam, int normalize, int zero_vote_positive, void *out,
+                      int64_t start, int out_dt) {
+    const float tiny = 1.17549435e-38f; /* torch.finfo(torch.float32).tiny */
+    float vote[CHUNK], total[CHUNK], merged[CHUNK];
+    for (int k = 0; k < len; k++) vote[k] = 0.0f;
+    for (int i = 0; i < n; i++) { /* the (weighted) sum of the task vectors */
+        const float *t = tau[i];
+        if (weights)
+            for (int k = 0; k < len; k++) vote[k] = vote[k] + t[k] * weights[i];
+        else
+            for (int k = 0; k < len; k++) vote[k] = vote[k] + t[k];
+    }
+    for (int k = 0; k < len; k++) { /* the elected sign, kept in vote */
+        float sign = sign_of(vote[k]);
+        vote[k] = zero_vote_positive && vote[k] == 0.0f ? 1.0f : sign;
+    }
+    for (int k = 0; k < len; k++) total[k] = merged[k] = 0.0f;
+    for (int i = 0; i < n; i++) { /* the agreeing models: the elected sign, nonzero */
+        float w = weights ? weights[i] : 1.0f;
+        const float *t = tau[i];
+        for (int k = 0; k < len; k++) {
+            float agree = (float)((sign_of(t[k]) == vote[k]) & (t[k] != 0.0f));
+            float wk = weights ? w * agree : agree;
+            total[k] = total[k] + wk;
+            merged[k] = merged[k] + t[k] * wk;
+        }
+    }
+    if (normalize) /* / max(total, tiny), then * (total > 0) */
+        for (int k = 0; k < len; k++)
+            merged[k] = merged[k] / fmaxf(total[k], tiny) * (float)(total[k] > 0.0f);
+    if (out_dt)
+        for (int k = 0; k < len; k++)
+            ((uint16_t *)out)[start + k] = to_bf16(b[k] + lam * merged[k]);
+    else
+        for (int k = 0; k < len; k++) ((float *)out)[start + k] = b[k] + lam * merged[k];
+}
+
+/* TIES: trim (tau * (|tau| >= threshold); |NaN| >= x is false), then the consensus */
 INLINE void merge(const void *base, const void *const *models, int n, int64_t count, int dt,
                   const float *thresholds, const float *weights, float lam, int normalize,
                   int zero_vote_positive, void *out, int out_dt) {
-    const float tiny = 1.17549435e-38f; /* torch.finfo(torch.float32).tiny */
-    float b[CHUNK], tau[MAX_MODELS][CHUNK], vote[CHUNK], total[CHUNK], merged[CHUNK];
+    float b[CHUNK], tau[MAX_MODELS][CHUNK];
     for (int64_t start = 0; start < count; start += CHUNK) {
         int len = count - start < CHUNK ? (int)(count - start) : CHUNK;
         for (int k = 0; k < len; k++) b[k] = load(base, start + k, dt);
-        for (int k = 0; k < len; k++) vote[k] = 0.0f;
-        for (int i = 0; i < n; i++) { /* trim: tau * (|tau| >= threshold); |NaN| >= x: false */
+        for (int i = 0; i < n; i++) {
             const void *m = models[i];
-            float thr = thresholds[i], w = weights ? weights[i] : 1.0f;
-            float *t = tau[i];
+            float thr = thresholds[i], *t = tau[i];
             for (int k = 0; k < len; k++) t[k] = load(m, start + k, dt) - b[k];
             for (int k = 0; k < len; k++) t[k] = t[k] * (float)(fabsf(t[k]) >= thr);
-            if (weights)
-                for (int k = 0; k < len; k++) vote[k] = vote[k] + t[k] * w;
-            else
-                for (int k = 0; k < len; k++) vote[k] = vote[k] + t[k];
         }
-        for (int k = 0; k < len; k++) { /* the elected sign, kept in vote */
-            float sign = sign_of(vote[k]);
-            vote[k] = zero_vote_positive && vote[k] == 0.0f ? 1.0f : sign;
-        }
-        for (int k = 0; k < len; k++) total[k] = merged[k] = 0.0f;
-        for (int i = 0; i < n; i++) { /* the agreeing models: the elected sign, nonzero */
-            float w = weights ? weights[i] : 1.0f;
-            const float *t = tau[i];
-            for (int k = 0; k < len; k++) {
-                float agree = (float)((sign_of(t[k]) == vote[k]) & (t[k] != 0.0f));
-                float wk = weights ? w * agree : agree;
-                total[k] = total[k] + wk;
-                merged[k] = merged[k] + t[k] * wk;
-            }
-        }
-        if (normalize) /* / max(total, tiny), then * (total > 0) */
-            for (int k = 0; k < len; k++)
-                merged[k] = merged[k] / fmaxf(total[k], tiny) * (float)(total[k] > 0.0f);
-        if (out_dt)
-            for (int k = 0; k < len; k++)
-                ((uint16_t *)out)[start + k] = to_bf16(b[k] + lam * merged[k]);
-        else
-            for (int k = 0; k < len; k++) ((float *)out)[start + k] = b[k] + lam * merged[k];
+        consensus(n, len, b, tau, weights, lam, normalize, zero_vote_positive, out, start,
+                  out_dt);
+    }
+}
+
+/* the consensus of sparsified task vectors another method made: taus [n, count] float32 */
+INLINE void stack_consensus(const void *base, const float *taus, int n, int64_t count, int dt,
+                            const float *weights, float lam, int normalize,
+                            int zero_vote_positive, void *out, int out_dt) {
+    float b[CHUNK], tau[MAX_MODELS][CHUNK];
+    for (int64_t start = 0; start < count; start += CHUNK) {
+        int len = count - start < CHUNK ? (int)(count - start) : CHUNK;
+        for (int k = 0; k < len; k++) b[k] = load(base, start + k, dt);
+        for (int i = 0; i < n; i++)
+            memcpy(tau[i], taus + (int64_t)i * count + start, (size_t)len * sizeof(float));
+        consensus(n, len, b, tau, weights, lam, normalize, zero_vote_positive, out, start,
+                  out_dt);
     }
 }
 
@@ -160,4 +190,15 @@ int ties_merge(const void *base, const void *const *models, int n, int64_t count
                : merge(base, models, N, count, DT, thresholds, weights, lam, normalize,          \
                        zero_vote_positive, out, 0))
     SPECIALISE(MERGE)
+}
+
+int ties_consensus(const void *base, const float *taus, int n, int64_t count, int dtype,
+                   const float *weights, float lam, int normalize, int zero_vote_positive,
+                   void *out, int out_dtype) {
+#define CONSENSUS(N, DT)                                                                         \
+    (out_dtype ? stack_consensus(base, taus, N, count, DT, weights, lam, normalize,              \
+                                 zero_vote_positive, out, 1)                                     \
+               : stack_consensus(base, taus, N, count, DT, weights, lam, normalize,              \
+                                 zero_vote_positive, out, 0))
+    SPECIALISE(CONSENSUS)
 }
