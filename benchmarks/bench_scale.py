@@ -394,6 +394,8 @@ def report(opts, runs: dict, made: dict) -> None:
     stamp = provenance()
     meta = {
         "device": opts.device, "workers": opts.workers,
+        # TIES-family merges: the compiled kernel (merge/native) unless MOEMERGE_NATIVE=0
+        "native_kernel": os.environ.get("MOEMERGE_NATIVE", "1") != "0",
         "mergekit": mergekit_version(opts.mergekit),
         "inputs": f"{tag}: 1 base + {opts.experts} experts, {info['params'] / 1e9:.2f}B params "
                   f"each, {info['model_bytes'] / 1e9:.2f} GB bf16 in {info['shards']} shard(s), "
