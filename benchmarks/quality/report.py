@@ -197,6 +197,8 @@ def markdown(result: dict) -> str:
            f"({len(rows)} rows here); the rows it did not reach are missing, not skipped.", ""]
           if result.get("complete") is False else []),
         *added_note(rows),
+        *([f"**Left out of this run** (`--skip {s['skip']}`): measured in other runs, listed "
+           "in benchmarks/README.md.", ""] if s.get("skip") else []),
         setup(result), "",
         f"**Training.** Batches of {s['batch_size']} × {s['seq_len']} tokens of the training "
         f"text (all domains), AdamW, warm-up + cosine. Routers (and CAMEx curvature): "
