@@ -152,9 +152,10 @@ def setup(result: dict) -> str:
             f"domain's held-out text, at most {s['max_tokens']} tokens each, in windows of "
             f"{s['seq_len'] + 1} tokens: the first {s['prompt_tokens']} are a prompt "
             "(sequence-routed models choose their experts there), the rest go through the KV "
-            "cache and are scored. The dense TIES and DARE-TIES merges (and the token_routed MoE "
-            "whose shared tensors are merged by TIES) have λ and density tuned per tensor role "
-            "on the first third (`build --tune-on`"
+            "cache and are scored. The dense TIES and DARE-TIES merges"
+            + (" (and the token_routed MoE whose shared tensors are merged by TIES)"
+               if any(r["key"] == "token_cal_ties" for r in result["rows"].values()) else "")
+            + " have λ and density tuned per tensor role on the first third (`build --tune-on`"
             + (", every domain weighing the same" if result.get("tune_balanced") else
                ", on the domains' texts joined: mostly the first domain")
             + "); routers are calibrated on the training text.")
@@ -202,10 +203,14 @@ def markdown(result: dict) -> str:
         setup(result), "",
         f"**Training.** Batches of {s['batch_size']} × {s['seq_len']} tokens of the training "
         f"text (all domains), AdamW, warm-up + cosine. Routers (and CAMEx curvature): "
-        f"{s['steps']} steps at lr {s['lr']:g}, experts frozen. Full fine-tune: "
-        f"{s['full_steps']} steps at lr {s['full_lr']:g} after the routers. Upcycled: the base "
-        f"made into {n} copies (top-2), all weights trained {s['steps'] + s['full_steps']} steps "
-        f"at lr {s['full_lr']:g} (before training it is the base exactly). Dense controls: the "
+        f"{s['steps']} steps at lr {s['lr']:g}, experts frozen. "
+        + (f"Full fine-tune: {s['full_steps']} steps at lr {s['full_lr']:g} after the routers. "
+           if any(r["key"].endswith("+f") and r["key"] != "upcycle+f" for r in rows.values())
+           else "")
+        + (f"Upcycled: the base made into {n} copies (top-2), all weights trained "
+           f"{s['steps'] + s['full_steps']} steps at lr {s['full_lr']:g} (before training it is "
+           "the base exactly). " if any(r["key"] == "upcycle+f" for r in rows.values()) else "")
+        + "Dense controls: the "
         "base trained with the same loop, batches and lr as the full fine-tune, for as many "
         "steps as the row it controls (post-merge steps only)"
         + (f"; and the BTX control: the base trained as the experts were (FFNs only, their lr "
