@@ -69,12 +69,20 @@ def kth_largest(parts: Parts, k: int) -> Tensor:
         total += part.numel()
     if counts is None or not 1 <= k <= total:
         raise ValueError(f"k = {k} is outside 1..{total}")
-    above = counts.flip(0).cumsum(0).flip(0)  # above[b] = entries in buckets b and higher
-    bucket = int((above >= k).nonzero().max())  # the highest bucket reaching k from the top
-    rank = k - (int(above[bucket + 1]) if bucket + 1 < _BUCKETS else 0)  # rank inside it
+    buckets, ranks = select_bins(counts[None], torch.tensor([k], device=counts.device))
+    bucket, rank = int(buckets[0]), int(ranks[0])
     inside = torch.cat([p.reshape(-1)[(p.reshape(-1).view(torch.int32) >> 15) == bucket]
                         for p in parts()])
     return inside.kthvalue(inside.numel() - rank + 1).values
+
+
+def select_bins(counts: Tensor, ks: Tensor) -> tuple[Tensor, Tensor]:
+    """Per row of `counts` [N, B] (a histogram over ordered bins), the bin holding the k-th
+    largest entry and that entry's rank (1-based, from the top) within the bin: ([N], [N])."""
+    above = counts.flip(1).cumsum(1).flip(1)  # above[i, b]: row i's entries in bins >= b
+    bins = (above >= ks[:, None]).sum(1) - 1  # non-increasing: the last bin reaching k
+    after = torch.cat([above, torch.zeros_like(above[:, :1])], 1).gather(1, bins[:, None] + 1)
+    return bins, ks - after[:, 0]
 
 
 def _magnitudes(base: Tensor, tensor: Tensor, blocks: list[slice]) -> Parts:

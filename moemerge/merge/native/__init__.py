@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from moemerge.merge.blocks import select_bins
 from moemerge.merge.methods import weights_of
 from moemerge.merge.primitives import check_density, keep_count, per_model
 from moemerge.paths import cache_root
@@ -163,18 +164,10 @@ def _thresholds(lib, call: tuple, densities: list[float], rounding: str) -> Tens
     high = torch.zeros((n, BUCKETS), dtype=torch.int64)
     lib.ties_histogram(*call, high.data_ptr())
     ks = torch.tensor([keep_count(count, d, rounding) for d in densities])
-    buckets, ranks = _select(high, ks)
+    buckets, ranks = select_bins(high, ks)
     low, keys = torch.zeros((n, LOW), dtype=torch.int64), buckets.to(torch.int32)
     lib.ties_histogram_low(*call, keys.data_ptr(), low.data_ptr())  # (pointers: held tensors)
-    lows, _ = _select(low, ranks)
+    lows, _ = select_bins(low, ranks)
     values = ((buckets << 15) | lows).to(torch.int32).view(torch.float32)
     return torch.where(torch.tensor(densities) < 1.0, values, 0.0)
 
-
-def _select(counts: Tensor, ks: Tensor) -> tuple[Tensor, Tensor]:
-    """Per row of `counts` [N, B] (a histogram over ordered bins), the bin holding the k-th
-    largest entry and that entry's rank (1-based, from the top) within the bin: ([N], [N])."""
-    above = counts.flip(1).cumsum(1).flip(1)  # above[i, b]: row i's entries in bins >= b
-    bins = (above >= ks[:, None]).sum(1) - 1  # non-increasing: the last bin reaching k
-    after = torch.cat([above, torch.zeros_like(above[:, :1])], 1).gather(1, bins[:, None] + 1)
-    return bins, ks - after[:, 0]
