@@ -158,6 +158,7 @@ def method_parity(device: str) -> list[dict]:
     96 × 80), on the CPU and on `device`, in row blocks of 512 entries (the path real tensors
     take: per-model thresholds over every block, then the blocked merge) and whole."""
     from moemerge.merge import dispatch
+    from moemerge.merge.draws import Draws
     from moemerge.merge.registry import METHOD_SPECS
 
     gen = torch.Generator().manual_seed(0)
@@ -175,7 +176,7 @@ def method_parity(device: str) -> list[dict]:
                 for dev in ("cpu", device):
                     out[dev] = dispatch.merge(
                         spec.name, base=base.to(dev), tensors=[m.to(dev) for m in models[:n]],
-                        generator=torch.Generator().manual_seed(1), block=block, **params).cpu()
+                        draws=Draws.of(1, "t"), block=block, **params).cpu()
             except RuntimeError as error:
                 rows.append({"method": spec.name, "block": block, "bitwise_equal": False,
                              "max_abs_diff": float("nan"), "error": str(error)})

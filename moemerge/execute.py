@@ -20,6 +20,7 @@ from moemerge.errors import CheckpointError, RecipeError
 from moemerge.io.reader import TensorMeta, count_non_finite_stored
 from moemerge.io.writer import ShardedWriter, finite, refuse_non_finite
 from moemerge.merge.dispatch import merge
+from moemerge.merge.draws import Draws
 from moemerge.merge.least_squares import padded_average_fit
 from moemerge.merge.primitives import count_non_finite, generator_for, zero_pad
 from moemerge.plan.jobs import Job, Plan, Source
@@ -85,8 +86,8 @@ def compute(job: Job, load: Load, make_router: MakeRouter | None, seed: int,
             base=on_device(job.base) if job.base is not None else None,
             tensors=[zero_pad(on_device(s), job.shape) for s in job.sources],
             weights=list(job.weights) or None,
-            # one generator per output tensor: same bytes whatever the order or thread count
-            generator=generator_for(seed, job.output),
+            # counter-based draws per output tensor: the same bytes in any order, on any device
+            draws=Draws.of(seed, job.output),
             dtype=job.dtype,  # large tensors are merged in row blocks straight into it
             **params.params,
         )
@@ -225,7 +226,7 @@ def run_jobs(
 ) -> Iterator[tuple[Job, torch.Tensor | TensorMeta]]:
     """Yield (job, tensor) in plan order, computing up to `lookahead` jobs ahead on `workers`
     merge threads (each output tensor's bytes depend only on its own job: random methods draw
-    from a generator of (seed, tensor name), so any worker count gives the same output).
+    from a hash of (seed, tensor name, entry), so any worker count gives the same output).
     With `stored`, a copy whose bytes are the output's is yielded as (job, TensorMeta), unread,
     for the writer to copy file to file."""
     lookahead = max(lookahead, workers)

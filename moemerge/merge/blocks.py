@@ -9,13 +9,13 @@ written in its own dtype as it is made.
 A method may run in blocks when every output entry depends only on the inputs at the same
 place, given some statistics of the whole tensor computed first (TIES's and breadcrumbs'
 magnitude thresholds, found here by an exact two-pass histogram select that streams over the
-same blocks; the whole tensor's L1 factors of DARE's and DELLA's mergekit rescale, from a
-replay of the drop). The registry names, per method, the function that returns those
+same blocks; the whole tensor's L1 factors of DARE's and DELLA's mergekit rescale, from the
+drop made once more). The registry names, per method, the function that returns those
 statistics (as extra keyword arguments for every block); a method without one runs whole.
 
-Random methods draw their masks block after block, model after model, from the one
-per-tensor generator; the blocks depend only on the tensor's shape, never on threads or
-lookahead, so the bytes are the same for any worker count.
+Random methods draw each entry's mask from a hash of its place in the whole tensor
+(merge/draws.py: each block gets the tensor's draws from its first entry on), so the bytes are
+the same in any blocks, any order, any worker count, and as the tensor merged in one piece.
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from moemerge.merge.draws import Draws
 from moemerge.merge.primitives import (
     PerModel,
     check_density,
     dare_drop,
+    draws_or_default,
     keep_count,
     l1_factor,
     per_model,
@@ -97,49 +99,53 @@ def elementwise(base: Tensor | None, tensors: Sequence[Tensor], blocks: list[sli
 
 
 def dare_l1(base: Tensor, tensors: Sequence[Tensor], blocks: list[slice], *,
-            density: PerModel, rescale: str = "expectation",
-            generator: torch.Generator | None = None, **params) -> dict:
+            density: PerModel, rescale: str = "expectation", draws: Draws | None = None,
+            **params) -> dict:
     """DARE's L1 rescale (mergekit's) in row blocks: each model's factor |τ|₁ / |kept|₁ over
     the whole tensor, from the masks the merge will draw; nothing for the other rescales."""
     if rescale != "l1":
         return {}
     densities = per_model(density, len(tensors))
-    return {"l1_scale": _l1_scales(base, tensors, blocks, generator,
-                                   lambda tau, i, g: dare_drop(tau, densities[i], g, "none"))}
+    return {"l1_scale": _l1_scales(base, tensors, blocks, draws,
+                                   lambda tau, i, d: dare_drop(tau, densities[i], d, i, "none"))}
 
 
 def della_l1(base: Tensor, tensors: Sequence[Tensor], blocks: list[slice], *,
              density: PerModel, epsilon: PerModel, rescale: str = "expectation",
-             generator: torch.Generator | None = None, **params) -> dict:
+             draws: Draws | None = None, **params) -> dict:
     """dare_l1 for DELLA's MagPrune."""
     if rescale != "l1":
         return {}
     densities, epsilons = per_model(density, len(tensors)), per_model(epsilon, len(tensors))
     return {"l1_scale": _l1_scales(
-        base, tensors, blocks, generator,
-        lambda tau, i, g: magprune(tau, densities[i], epsilons[i], g, "none"))}
+        base, tensors, blocks, draws,
+        lambda tau, i, d: magprune(tau, densities[i], epsilons[i], d, i, "none"))}
 
 
 def _l1_scales(base: Tensor, tensors: Sequence[Tensor], blocks: list[slice],
-               generator: torch.Generator | None,
-               drop: Callable[[Tensor, int, torch.Generator], Tensor]) -> Tensor:
-    """[N] L1 factors of a random drop over the whole tensor (primitives.l1_factor). The drop
-    is replayed as the merge makes it, block after block and model after model from the one
-    generator, whose state is then put back: the merge draws the same masks again. Norms
-    summed in float64 over the blocks."""
-    n = len(tensors)
+               draws: Draws | None, drop: Callable[[Tensor, int, Draws], Tensor]) -> Tensor:
+    """[N] L1 factors of a random drop over the whole tensor (primitives.l1_factor), from the
+    masks the merge will draw (each entry's draw depends on its place alone). Norms summed in
+    float64 over the blocks."""
+    n, draws = len(tensors), draws_or_default(draws)
     before = torch.zeros(n, dtype=torch.float64, device=base.device)
     after = torch.zeros_like(before)
-    state = generator.get_state() if generator is not None else None
     for b in blocks:
-        # the merge makes a fixed-seed generator per call without one (methods._dare)
-        draws = generator if generator is not None else torch.Generator().manual_seed(0)
+        at = draws.at(first_entry(b, base.shape))
         for i, tau in enumerate(task_vectors(base[b], [t[b] for t in tensors])):
             before[i] += tau.abs().sum(dtype=torch.float64)
-            after[i] += drop(tau, i, draws).abs().sum(dtype=torch.float64)
-    if generator is not None:
-        generator.set_state(state)
+            after[i] += drop(tau, i, at).abs().sum(dtype=torch.float64)
     return l1_factor(before.float(), after.float())
+
+
+def first_entry(block: slice, shape: Sequence[int]) -> int:
+    """The flat index of a row block's first entry in a tensor of `shape`."""
+    if block.start is None:
+        return 0
+    row = 1
+    for n in shape[1:]:
+        row *= n
+    return block.start * row
 
 
 def trim_thresholds(base: Tensor, tensors: Sequence[Tensor], blocks: list[slice], *,
@@ -188,7 +194,10 @@ def merge_in_blocks(function: Callable[..., Tensor], base: Tensor | None,
     """`function` applied to each row block of the inputs, written into one tensor of `dtype`
     (the cast of a block is the cast of those entries of the whole)."""
     out = torch.empty(tensors[0].shape, dtype=dtype)
+    draws = kwargs.pop("draws", False)  # a random method: each block its own place in them
     for b in blocks:
+        if draws is not False:
+            kwargs["draws"] = draws_or_default(draws).at(first_entry(b, out.shape))
         parts = [t[b] for t in tensors]
         merged = (function(base[b], parts, **kwargs) if pass_base and base is not None
                   else function(parts, **kwargs))

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from moemerge.merge import blocks
+from moemerge.merge.draws import Draws
 from moemerge.merge.methods import Weights, weights_of
 from moemerge.merge.registry import REGISTRY, MethodSpec, Param, all_params, get
 
@@ -64,7 +65,7 @@ def check_weights(spec: MethodSpec, weights: Weights, n_models: int) -> None:
 
 
 def merge(method: str, *, base: Tensor | None, tensors: Sequence[Tensor], weights: Weights = None,
-          generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32,
+          draws: Draws | None = None, dtype: torch.dtype = torch.float32,
           block: int | None = None, **params) -> Tensor:
     """Validate, apply the registry's defaults and dispatch by name (`base` is a copy of the
     base and is done by the planner, not here). The result is in `dtype`; a tensor of more than
@@ -99,11 +100,11 @@ def merge(method: str, *, base: Tensor | None, tensors: Sequence[Tensor], weight
     statistics = spec.block_statistics
     extra = None if len(rows) == 1 or not spec.runs_in_blocks(kwargs) else statistics(
         base if uses_base else None, tensors, rows, **kwargs,
-        **({"generator": generator} if spec.random else {}))  # a drop replayed draws the same
+        **({"draws": draws} if spec.random else {}))  # the drop made again draws the same
     if spec.weights:
         kwargs["weights"] = weights
     if spec.random:
-        kwargs["generator"] = generator
+        kwargs["draws"] = draws
     if spec.base == "optional":
         kwargs["base"] = base
     pass_base = spec.base == "required"

@@ -14,10 +14,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from moemerge.merge.draws import Draws
 from moemerge.merge.primitives import (
     PerModel,
     dare_drop,
     disjoint_mean_,
+    draws_or_default,
     elect_sign,
     per_model,
     task_vectors,
@@ -102,36 +104,34 @@ def ties(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
                            zero_vote=zero_vote)
 
 
-def _dare(base: Tensor, tensors: Sequence[Tensor], density: PerModel,
-          generator: torch.Generator | None, rescale: str = "expectation",
-          l1_scale: Tensor | None = None) -> Tensor:
-    """[N, *shape] dropped-and-rescaled task vectors, each at its model's density. One
-    generator for the output tensor, consumed in expert order; None means a fixed seed 0
-    (reproducible, never the global RNG). `l1_scale` [N]: the whole tensor's L1 factors, when
-    this is one row block of it."""
-    generator = generator if generator is not None else torch.Generator().manual_seed(0)
+def _dare(base: Tensor, tensors: Sequence[Tensor], density: PerModel, draws: Draws | None,
+          rescale: str = "expectation", l1_scale: Tensor | None = None) -> Tensor:
+    """[N, *shape] dropped-and-rescaled task vectors, each at its model's density, model i's
+    mask the i-th of the output tensor's `draws` (None: fixed draws, never the global RNG).
+    `l1_scale` [N]: the whole tensor's L1 factors, when this is one row block of it."""
+    draws = draws_or_default(draws)
     scales = [None] * len(tensors) if l1_scale is None else list(l1_scale)
-    return torch.stack([dare_drop(t, d, generator, rescale, s) for t, d, s in zip(
-        task_vectors(base, tensors), per_model(density, len(tensors)), scales, strict=True)])
+    return torch.stack([dare_drop(t, d, draws, i, rescale, s) for i, (t, d, s) in enumerate(zip(
+        task_vectors(base, tensors), per_model(density, len(tensors)), scales, strict=True))])
 
 
 def dare_linear(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
                 density: PerModel = DEFAULT_DENSITY, lam: float = DEFAULT_LAMBDA,
-                normalize: bool = True, generator: torch.Generator | None = None,
+                normalize: bool = True, draws: Draws | None = None,
                 rescale: str = "expectation", l1_scale: Tensor | None = None) -> Tensor:
     """θ_base + λ Σ w_i DARE(τ_i)."""
     w = weights_of(weights, len(tensors), normalize)
-    return base.float() + lam * combine(_dare(base, tensors, density, generator, rescale,
+    return base.float() + lam * combine(_dare(base, tensors, density, draws, rescale,
                                               l1_scale), w)
 
 
 def dare_ties(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
               density: PerModel = DEFAULT_DENSITY, lam: float = DEFAULT_LAMBDA,
-              generator: torch.Generator | None = None, rescale: str = "expectation",
+              draws: Draws | None = None, rescale: str = "expectation",
               normalize: bool = True, consensus: str = "sum", zero_vote: str = "none",
               l1_scale: Tensor | None = None) -> Tensor:
     """θ_base + λ · disjoint_mean(DARE(τ), elect_sign(w · DARE(τ)), w): DARE replaces the trim."""
     w = weights_of(weights, len(tensors), normalize=False)
-    dropped = _dare(base, tensors, density, generator, rescale, l1_scale)
+    dropped = _dare(base, tensors, density, draws, rescale, l1_scale)
     return consensus_merge(base, dropped, w, lam, normalize=normalize, consensus=consensus,
                            zero_vote=zero_vote)

@@ -4,7 +4,8 @@ Every function computes in and returns float32 (inputs are cast with `.float()`)
 have shape [N, *shape] (one task vector per model along the first axis). No names, no IO, no
 global random state. Conventions (also in docs/merge-methods.md): TIES keeps ceil(density·n)
 entries per task vector, ties at the threshold included; the sign is elected by mass (sum), a
-zero sum elects 0 and drops the entry; DARE draws its mask from a per-tensor CPU generator.
+zero sum elects 0 and drops the entry; DARE draws its mask from counter-based per-tensor
+draws (merge/draws.py: the same bytes on every device, in any block order).
 Each has a switch to mergekit's convention (floor, a zero vote elects +, L1 rescale).
 """
 
@@ -16,6 +17,9 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+from moemerge.merge.draws import DEFAULT as DEFAULT_DRAWS
+from moemerge.merge.draws import Draws
 
 
 def task_vectors(base: Tensor, tensors: Sequence[Tensor]) -> Tensor:
@@ -151,19 +155,18 @@ def disjoint_mean_(taus: Tensor, sign: Tensor, weights: Tensor | None,
     return merged.div_(total.clamp_min(torch.finfo(torch.float32).tiny)).mul_(total > 0)
 
 
-def dare_drop(tau: Tensor, density: float, generator: torch.Generator,
+def dare_drop(tau: Tensor, density: float, draws: Draws, model: int,
               rescale: bool | str = "expectation", l1_scale: Tensor | None = None) -> Tensor:
     """DARE: drop each entry with probability 1 − density; survivors × 1/density (rescale keeps
     the expectation; "l1": × |τ|₁ / |kept|₁, mergekit; "none" or False: not rescaled). The mask
-    is drawn on the CPU from `generator`, so it does not depend on the device. density 1 returns
-    τ unchanged and draws nothing. `l1_scale`: the L1 factor of the whole tensor, when `tau` is
+    is model `model`'s of `draws`, so it does not depend on the device or the block order.
+    density 1 returns τ unchanged. `l1_scale`: the L1 factor of the whole tensor, when `tau` is
     one row block of it (blocks.dare_l1)."""
     check_density(density)
     tau = tau.float()
     if density == 1.0:
         return tau
-    keep = torch.rand(tau.shape, generator=generator) < density
-    return rescale_kept(tau, tau * keep.to(tau.device), density, rescale, l1_scale)
+    return rescale_kept(tau, draws.keep(model, tau, density), density, rescale, l1_scale)
 
 
 def rescale_kept(tau: Tensor, kept: Tensor, prob: Tensor | float, rescale: bool | str,
@@ -184,6 +187,11 @@ def l1_factor(before: Tensor, after: Tensor) -> Tensor:
     """|τ|₁ / |kept|₁, or 1 where either norm is below 1e-7 (mergekit leaves those as they are)."""
     small = (before < 1e-7) | (after < 1e-7)
     return torch.where(small, torch.ones_like(before), before / torch.where(small, 1.0, after))
+
+
+def draws_or_default(draws: Draws | None) -> Draws:
+    """The draws given, or the fixed ones a merge called without any uses."""
+    return draws if draws is not None else DEFAULT_DRAWS
 
 
 def generator_for(seed: int, name: str) -> torch.Generator:

@@ -87,7 +87,7 @@ class MethodSpec:
     max_models: int | None = None
     weights: bool = True  # uses the models' `weight`
     signed_weights: bool = False  # linear in the weights: a negative weight subtracts a model
-    random: bool = False  # takes the per-tensor generator
+    random: bool = False  # takes the per-tensor draws (merge/draws.py)
     moe: str | None = None  # why it cannot merge the non-FFN tensors of an MoE, if it cannot
     constraint: Callable[[dict], str | None] | None = None  # across parameters, on scalars
     # "module:function" returning the whole-tensor statistics that let the method run in row

@@ -13,11 +13,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from moemerge.merge.draws import Draws
 from moemerge.merge.methods import Weights, combine, consensus_merge, weights_of
 from moemerge.merge.primitives import (
     PerModel,
     check_density,
     disjoint_mean,
+    draws_or_default,
     elect_sign,
     keep_count,
     per_model,
@@ -111,11 +113,12 @@ def magnitude_ranks(tau: Tensor) -> Tensor:
     return (ranks / max(rows.shape[1] - 1, 1)).reshape(tau.shape)
 
 
-def magprune(tau: Tensor, density: float, epsilon: float, generator: torch.Generator,
+def magprune(tau: Tensor, density: float, epsilon: float, draws: Draws, model: int,
              rescale: str = "expectation", l1_scale: Tensor | None = None) -> Tensor:
     """DELLA's MagPrune: keep each entry with probability p = density − ε + 2ε · rank (rank in
     [0, 1] by magnitude within its row), so larger entries survive more often; survivors × 1/p
-    ("expectation", the paper) or L1-matched ("l1", mergekit). Mask drawn on the CPU."""
+    ("expectation", the paper) or L1-matched ("l1", mergekit). The mask is model `model`'s of
+    `draws` (merge/draws.py)."""
     check_density(density)
     tau = tau.float()
     if density == 1.0:
@@ -123,39 +126,38 @@ def magprune(tau: Tensor, density: float, epsilon: float, generator: torch.Gener
     if not (0.0 < density - epsilon and density + epsilon < 1.0):
         raise ValueError(f"della: density ± epsilon must lie in (0, 1); got density {density:g},"
                          f" epsilon {epsilon:g}")
-    probs = density - epsilon + 2 * epsilon * magnitude_ranks(tau.cpu())
-    keep = torch.rand(tau.shape, generator=generator) < probs
-    return rescale_kept(tau, tau * keep.to(tau.device), probs.to(tau.device), rescale, l1_scale)
+    probs = density - epsilon + 2 * epsilon * magnitude_ranks(tau)
+    return rescale_kept(tau, draws.keep(model, tau, probs), probs, rescale, l1_scale)
 
 
-def _magprune_all(base, tensors, density: PerModel, epsilon: PerModel, generator,
+def _magprune_all(base, tensors, density: PerModel, epsilon: PerModel, draws: Draws | None,
                   rescale, l1_scale: Tensor | None = None) -> Tensor:
     """[N, *shape] MagPruned task vectors, each at its model's density and epsilon."""
-    generator = generator if generator is not None else torch.Generator().manual_seed(0)
+    draws = draws_or_default(draws)
     n = len(tensors)
     scales = [None] * n if l1_scale is None else list(l1_scale)
-    return torch.stack([magprune(t, d, e, generator, rescale, s) for t, d, e, s in zip(
-        task_vectors(base, tensors), per_model(density, n), per_model(epsilon, n), scales,
-        strict=True)])
+    return torch.stack([magprune(t, d, e, draws, i, rescale, s) for i, (t, d, e, s) in enumerate(
+        zip(task_vectors(base, tensors), per_model(density, n), per_model(epsilon, n), scales,
+            strict=True))])
 
 
 def della(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
           density: PerModel = 0.7, epsilon: PerModel = 0.15, lam: float = 1.0,
-          generator: torch.Generator | None = None, rescale: str = "expectation",
+          draws: Draws | None = None, rescale: str = "expectation",
           normalize: bool = True, consensus: str = "sum", zero_vote: str = "none",
           l1_scale: Tensor | None = None) -> Tensor:
     """θ_base + λ · DisjointMean(MagPrune(τ), Elect(w · MagPrune(τ)), w)."""
-    taus = _magprune_all(base, tensors, density, epsilon, generator, rescale, l1_scale)
+    taus = _magprune_all(base, tensors, density, epsilon, draws, rescale, l1_scale)
     return consensus_merge(base, taus, weights_of(weights, len(tensors), False), lam,
                            normalize=normalize, consensus=consensus, zero_vote=zero_vote)
 
 
 def della_linear(base: Tensor, tensors: Sequence[Tensor], weights: Weights = None,
                  density: PerModel = 0.7, epsilon: PerModel = 0.15, lam: float = 1.0,
-                 normalize: bool = True, generator: torch.Generator | None = None,
+                 normalize: bool = True, draws: Draws | None = None,
                  rescale: str = "expectation", l1_scale: Tensor | None = None) -> Tensor:
     """θ_base + λ Σ w̃_i MagPrune(τ_i)."""
-    taus = _magprune_all(base, tensors, density, epsilon, generator, rescale, l1_scale)
+    taus = _magprune_all(base, tensors, density, epsilon, draws, rescale, l1_scale)
     return _linear(base, taus, weights_of(weights, len(tensors), normalize), lam)
 
 

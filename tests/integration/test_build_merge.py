@@ -12,7 +12,7 @@ from moemerge.api import build
 from moemerge.errors import MismatchError
 from moemerge.merge import methods, sphere
 from moemerge.merge.dispatch import merge
-from moemerge.merge.primitives import generator_for
+from moemerge.merge.draws import Draws
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def test_new_methods_build_and_match_their_functions(method, trio, tmp_path):
     tensors = [load_file(p / "model.safetensors") for p in (base, *models)]
     name = "model.layers.1.self_attn.o_proj.weight"
     expected = merge(method, base=tensors[0][name], tensors=[t[name] for t in tensors[1:]],
-                     generator=generator_for(3, name))
+                     draws=Draws.of(3, name))
     torch.testing.assert_close(out[name], expected, atol=0, rtol=0)
 
 

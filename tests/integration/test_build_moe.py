@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from moemerge.api import build
 from moemerge.architectures import moe_layouts
 from moemerge.merge.dispatch import merge
-from moemerge.merge.primitives import generator_for
+from moemerge.merge.draws import Draws
 
 EXPECTED = {
     "llama": ("MixtralForCausalLM", "mixtral"),
@@ -189,7 +189,7 @@ def test_new_methods_merge_the_shared_tensors(method, model_factory, tmp_path):
         with safe_open(path / "model.safetensors", "pt") as f:
             tensors.append(f.get_tensor(name))
     expected = merge(method, base=tensors[0], tensors=tensors[1:3],
-                     generator=generator_for(5, name))
+                     draws=Draws.of(5, name))
     torch.testing.assert_close(tensors[3], expected.to(tensors[3].dtype), atol=0, rtol=0)
 
 

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from moemerge.cli import app
 from moemerge.merge.dispatch import merge
-from moemerge.merge.primitives import generator_for
+from moemerge.merge.draws import Draws
 
 runner = CliRunner()
 
@@ -47,7 +47,7 @@ dtype: float32
     name = "model.layers.0.mlp.up_proj.weight"
     expected = merge("dare_ties", base=tensors[0][name], tensors=[t[name] for t in tensors[1:]],
                      weights=[0.4, 0.3], density=0.5, normalize=False, zero_vote="positive",
-                     rescale="l1", generator=generator_for(0, name))
+                     rescale="l1", draws=Draws.of(0, name))
     torch.testing.assert_close(out[name], expected, atol=0, rtol=0)
 
 
@@ -140,7 +140,7 @@ def as_mergekit(method, **params):
     def check(out, t, name):
         name = name.format(1)
         expected = merge(method, base=t["base"][name], tensors=[t["a"][name], t["b"][name]],
-                         generator=generator_for(0, name), **params)
+                         draws=Draws.of(0, name), **params)
         torch.testing.assert_close(out[name], expected, atol=0, rtol=0)
     return check
 

@@ -8,7 +8,8 @@ import torch
 
 from moemerge.merge.blocks import kth_largest, row_blocks
 from moemerge.merge.dispatch import merge
-from moemerge.merge.primitives import dare_drop, generator_for
+from moemerge.merge.draws import Draws
+from moemerge.merge.primitives import dare_drop
 from moemerge.merge.registry import METHOD_SPECS, get
 
 ROWS, COLS = 37, 29  # 1073 entries: blocks of 64 entries are 2 rows, the last one short
@@ -92,18 +93,36 @@ def test_the_comparison_sees_a_wrong_threshold(monkeypatch):
     assert not torch.equal(whole, wrong)
 
 
-def test_dare_in_blocks_draws_block_after_block():
-    """DARE's masks come from the one per-tensor generator, block after block and model after
-    model within a block: a reference written that way gives the same bytes."""
+@pytest.mark.parametrize("method", ["dare_linear", "dare_ties", "della", "della_linear"])
+def test_random_methods_in_blocks_give_the_whole_tensors_bytes(method):
+    """Each entry's draw depends on its place in the whole tensor, so a merge in row blocks
+    writes the bytes of the merge in one piece, for any block size."""
+    base, tensors = _models()
+    params = {"density": 0.5} | ({"epsilon": 0.1} if "della" in method else {})
+    whole = merge(method, base=base, tensors=tensors, block=10**9, draws=Draws.of(3, "t"),
+                  **params)
+    for block in (BLOCK, COLS, 3 * COLS + 1):
+        out = merge(method, base=base, tensors=tensors, block=block, draws=Draws.of(3, "t"),
+                    **params)
+        assert torch.equal(out.view(torch.int32), whole.view(torch.int32)), block
+
+
+def test_dare_in_blocks_against_the_whole_tensors_masks():
+    """DARE in blocks against a reference drawing each model's mask over the whole tensor;
+    blocks that each drew from the tensor's first entry would differ."""
     base, tensors = _models()
     out = merge("dare_linear", base=base, tensors=tensors, block=BLOCK, density=0.5,
-                generator=generator_for(3, "t"), normalize=False)
-    gen = generator_for(3, "t")
-    expected = torch.empty(ROWS, COLS)
-    for b in row_blocks((ROWS, COLS), BLOCK):
-        taus = [dare_drop(t[b].float() - base[b].float(), 0.5, gen) for t in tensors]
-        expected[b] = base[b].float() + sum(taus)
+                draws=Draws.of(3, "t"), normalize=False)
+    draws = Draws.of(3, "t")
+    taus = [t.float() - base.float() for t in tensors]
+    expected = base.float() + sum(tau * (draws.uniform(i, tau.shape) < 0.5) / 0.5
+                                  for i, tau in enumerate(taus))
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    restarted = torch.empty(ROWS, COLS)
+    for b in row_blocks((ROWS, COLS), BLOCK):
+        restarted[b] = base[b].float() + sum(dare_drop(t[b].float() - base[b].float(), 0.5,
+                                                       draws, i) for i, t in enumerate(tensors))
+    assert not torch.allclose(out, restarted, atol=1e-3)
 
 
 def test_only_methods_that_take_the_base_as_an_argument_declare_blocks():
@@ -114,23 +133,25 @@ def test_only_methods_that_take_the_base_as_an_argument_declare_blocks():
 
 @pytest.mark.parametrize("method", ["dare_linear", "dare_ties", "della", "della_linear"])
 def test_l1_rescale_in_blocks_scales_by_the_whole_tensors_norms(method):
-    """mergekit's L1 rescale in row blocks: masks drawn block after block from the one
-    generator (as every random method in blocks), each model's survivors scaled by
-    |τ|₁ / |kept|₁ of the whole tensor. A reference drawing the same masks, then rescaling
-    whole, gives the same values; scaling each block by its own norms would not."""
+    """mergekit's L1 rescale in row blocks: each model's survivors scaled by |τ|₁ / |kept|₁
+    of the whole tensor. A reference drawing the same masks, then rescaling whole, gives the
+    same values; scaling each block by its own norms would not."""
     from moemerge.merge.primitives import task_vectors
     from moemerge.merge.sparse import magprune
 
     base, tensors = _models()
     params = {"density": 0.5, "rescale": "l1"} | ({"epsilon": 0.1} if "della" in method else {})
-    out = merge(method, base=base, tensors=tensors, block=BLOCK,
-                generator=generator_for(3, "t"), **params)
-    gen = generator_for(3, "t")
+    out = merge(method, base=base, tensors=tensors, block=BLOCK, draws=Draws.of(3, "t"),
+                **params)
+    draws = Draws.of(3, "t")
     taus, kept = task_vectors(base, tensors), torch.zeros(3, ROWS, COLS)
+    by_block = torch.zeros(3, ROWS, COLS)
     for b in row_blocks((ROWS, COLS), BLOCK):
+        at = draws.at(b.start * COLS)
         for i, tau in enumerate(taus[:, b]):
-            kept[i, b] = (magprune(tau, 0.5, 0.1, gen, "none") if "della" in method
-                          else dare_drop(tau, 0.5, gen, "none"))
+            kept[i, b] = (magprune(tau, 0.5, 0.1, at, i, "none") if "della" in method
+                          else dare_drop(tau, 0.5, at, i, "none"))
+            by_block[i, b] = kept[i, b] * tau.abs().sum() / kept[i, b].abs().sum()
     scale = taus.abs().sum((1, 2)) / kept.abs().sum((1, 2))
     rescaled = kept * scale[:, None, None]
     ones = torch.ones(3)
@@ -140,9 +161,7 @@ def test_l1_rescale_in_blocks_scales_by_the_whole_tensors_norms(method):
         from moemerge.merge.primitives import disjoint_mean, elect_sign
         expected = base.float() + disjoint_mean(rescaled, elect_sign(rescaled, ones), ones)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
-    blockwise = merge(method, base=base, tensors=tensors, block=10**9,
-                      generator=generator_for(3, "t"), **params)
-    assert not torch.allclose(out, blockwise, atol=1e-4)  # whole draws differ: the test sees it
+    assert not torch.allclose(rescaled, by_block, atol=1e-4)  # per-block norms: another result
 
 
 @pytest.mark.parametrize("method", ["ties", "breadcrumbs", "breadcrumbs_ties"])

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from moemerge.merge.dispatch import merge
+from moemerge.merge.draws import Draws
 from moemerge.merge.methods import (
     average,
     dare_linear,
@@ -11,7 +12,6 @@ from moemerge.merge.methods import (
     task_arithmetic,
     ties,
 )
-from moemerge.merge.primitives import generator_for
 from moemerge.merge.registry import REGISTRY
 
 # the methods that merge any number of models (slerp takes two, passthrough one, base none)
@@ -54,17 +54,17 @@ def test_ties_weights_enter_the_election_by_mass():
 
 
 def test_dare_by_hand():
-    # one generator per tensor, consumed expert by expert
-    gen = generator_for(5, "w")
-    keep1, keep2 = torch.rand(4, generator=gen) < 0.5, torch.rand(4, generator=gen) < 0.5
+    # the draws of one output tensor: expert i's mask is model i's
+    draws = Draws.of(5, "w")
+    keep1, keep2 = draws.uniform(0, (4,)) < 0.5, draws.uniform(1, (4,)) < 0.5
     d1, d2 = E1 * keep1 / 0.5, E2 * keep2 / 0.5
-    out = dare_linear(ZERO, [E1, E2], density=0.5, generator=generator_for(5, "w"))
+    out = dare_linear(ZERO, [E1, E2], density=0.5, draws=Draws.of(5, "w"))
     torch.testing.assert_close(out, (d1 + d2) / 2, atol=0, rtol=0)
     sign = torch.sign(d1 + d2)
     agree1, agree2 = (torch.sign(d1) == sign) & (d1 != 0), (torch.sign(d2) == sign) & (d2 != 0)
     count = (agree1.float() + agree2.float()).clamp_min(1)
     expected = (d1 * agree1 + d2 * agree2) / count
-    out = dare_ties(ZERO, [E1, E2], density=0.5, generator=generator_for(5, "w"))
+    out = dare_ties(ZERO, [E1, E2], density=0.5, draws=Draws.of(5, "w"))
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
 
 
@@ -72,7 +72,7 @@ def test_dare_by_hand():
 def test_identical_inputs_give_the_input(method):
     a = torch.randn(5, 7, generator=torch.Generator().manual_seed(1))
     out = merge(method, base=a - 0.1, tensors=[a, a, a], density=1.0,
-                generator=generator_for(0, "t"))
+                draws=Draws.of(0, "t"))
     torch.testing.assert_close(out, a)
 
 
@@ -95,7 +95,7 @@ def test_dare_reproducible_per_seed_and_name():
 
     def run(method, seed, name):
         return merge(method, base=base, tensors=[a, b], density=0.5,
-                     generator=generator_for(seed, name))
+                     draws=Draws.of(seed, name))
 
     for method in ("dare_linear", "dare_ties"):
         assert torch.equal(run(method, 1, "x").view(torch.int32),
@@ -107,7 +107,7 @@ def test_dare_reproducible_per_seed_and_name():
 @pytest.mark.parametrize("method", METHODS)
 def test_low_precision_in_fp32_out(method):
     a, b = torch.randn(4, 4).bfloat16(), torch.randn(4, 4).bfloat16()
-    out = merge(method, base=a, tensors=[a, b], generator=generator_for(0, "t"))
+    out = merge(method, base=a, tensors=[a, b], draws=Draws.of(0, "t"))
     assert out.dtype == torch.float32
 
 

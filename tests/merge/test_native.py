@@ -9,6 +9,7 @@ from conftest import perturbed_copy, write_recipe
 
 from moemerge.api import build
 from moemerge.merge import dispatch, native
+from moemerge.merge.draws import Draws
 
 
 @pytest.fixture
@@ -83,17 +84,15 @@ def test_the_consensus_of_other_methods_gives_the_same_bytes(monkeypatch, method
                                                              shape, n):
     """DARE-TIES, breadcrumbs-TIES, DELLA (and TIES where its own kernel steps aside) sparsify
     in torch and elect in the kernel: the bytes of the torch code, random masks included."""
-    from moemerge.merge.primitives import generator_for
-
     base, models = experts(shape, n, torch.bfloat16, seed=7)
     used, real = [], native.consensus
     monkeypatch.setattr(native, "consensus", lambda *a, **k: used.append(real(*a, **k)) or used[-1])
     for weights in (None, [0.3, 2.0, 1.5, 0.7][:n]):
         kw = dict(base=base, tensors=models, weights=weights, dtype=torch.bfloat16, **params)
         used.clear()
-        fast = dispatch.merge(method, generator=generator_for(1, "t"), **kw)
+        fast = dispatch.merge(method, draws=Draws.of(1, "t"), **kw)
         assert used and all(out is not None for out in used)  # the kernel ran, every block
-        slow = torch_ties(monkeypatch, method=method, generator=generator_for(1, "t"), **kw)
+        slow = torch_ties(monkeypatch, method=method, draws=Draws.of(1, "t"), **kw)
         assert same_bits(fast, slow), (method, params, weights)
 
 
@@ -170,7 +169,7 @@ def test_compiled_once_per_cache(monkeypatch, tmp_path):
     native.library.cache_clear()
     try:
         assert native.library() is not None
-        (built,) = (tmp_path / "native").glob("ties-*.so")
+        (built,) = (tmp_path / "native").glob("merge-*.so")
         stamp = built.stat().st_mtime_ns
         native.library.cache_clear()
         assert native.library() is not None

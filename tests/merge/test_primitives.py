@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from moemerge.merge.draws import Draws
 from moemerge.merge.primitives import (
     dare_drop,
     disjoint_mean,
@@ -69,21 +70,20 @@ def test_disjoint_mean_excludes_zeros_and_dissenters():
 
 def test_dare_drop_by_hand():
     tau = T([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
-    keep = torch.rand(6, generator=generator_for(3, "w")) < 0.5
-    assert torch.equal(dare_drop(tau, 0.5, generator_for(3, "w")), tau * keep / 0.5)
-    assert torch.equal(dare_drop(tau, 0.5, generator_for(3, "w"), rescale=False), tau * keep)
+    keep = Draws.of(3, "w").uniform(1, (6,)) < 0.5
+    assert torch.equal(dare_drop(tau, 0.5, Draws.of(3, "w"), 1), tau * keep / 0.5)
+    assert torch.equal(dare_drop(tau, 0.5, Draws.of(3, "w"), 1, rescale=False), tau * keep)
+    assert not torch.equal(dare_drop(tau, 0.5, Draws.of(3, "w"), 0), tau * keep / 0.5)
 
 
-def test_dare_density_one_is_identity_and_draws_nothing():
-    gen = generator_for(0, "t")
+def test_dare_density_one_is_identity():
     tau = torch.randn(5)
-    assert torch.equal(dare_drop(tau, 1.0, gen), tau)
-    assert torch.equal(torch.rand(3, generator=gen), torch.rand(3, generator=generator_for(0, "t")))
+    assert torch.equal(dare_drop(tau, 1.0, Draws.of(0, "t"), 0), tau)
 
 
 def test_dare_is_unbiased_over_many_draws():
     tau = T([2.0, -1.0, 0.5, 4.0])
-    draws = dare_drop(tau.expand(20_000, 4), 0.3, generator_for(0, "many"))  # [draws, 4]
+    draws = dare_drop(tau.expand(20_000, 4), 0.3, Draws.of(0, "many"), 0)  # [draws, 4]
     torch.testing.assert_close(draws.mean(dim=0), tau, atol=0.1, rtol=0.05)
     assert abs((draws != 0).float().mean().item() - 0.3) < 0.01
 
@@ -93,7 +93,7 @@ def test_bad_density():
         with pytest.raises(ValueError, match="density"):
             trim_to_density(torch.ones(2, 2), density)
         with pytest.raises(ValueError, match="density"):
-            dare_drop(torch.ones(2), density, generator_for(0, "x"))
+            dare_drop(torch.ones(2), density, Draws.of(0, "x"), 0)
 
 
 def test_generator_seed_is_pinned():

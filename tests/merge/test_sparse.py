@@ -3,8 +3,9 @@
 import torch
 
 from moemerge.merge.dispatch import merge
+from moemerge.merge.draws import Draws
 from moemerge.merge.methods import dare_linear, ties
-from moemerge.merge.primitives import dare_drop, generator_for, keep_count, trim_to_density
+from moemerge.merge.primitives import dare_drop, keep_count, trim_to_density
 from moemerge.merge.sparse import (
     breadcrumbs,
     breadcrumbs_ties,
@@ -53,24 +54,24 @@ def test_magprune_keep_probabilities_follow_the_magnitude_rank():
     assert torch.equal(magnitude_ranks(T([1.0, -3.0, 2.0])), T([0.0, 1.0, 0.5]))
     # density .5, epsilon .2: p = .3 + .4 · rank = [.3, .7, .5] in the first row
     probs = T([[0.3, 0.7, 0.5], [0.7, 0.3, 0.5]])
-    u = torch.rand(2, 3, generator=generator_for(3, "w"))
+    u = Draws.of(3, "w").uniform(0, (2, 3))
     expected = tau * (u < probs) / probs
-    out = magprune(tau, 0.5, 0.2, generator_for(3, "w"))
+    out = magprune(tau, 0.5, 0.2, Draws.of(3, "w"), 0)
     torch.testing.assert_close(out, expected, atol=0, rtol=1e-6)  # .3 + .4 · 1 vs .7: 1 ulp
     kept = tau * (u < probs)
-    l1 = magprune(tau, 0.5, 0.2, generator_for(3, "w"), rescale="l1")
+    l1 = magprune(tau, 0.5, 0.2, Draws.of(3, "w"), 0, rescale="l1")
     torch.testing.assert_close(l1, kept * tau.abs().sum() / kept.abs().sum())
 
 
 def test_della_with_zero_epsilon_is_dare():
     gen = torch.Generator().manual_seed(0)
     base, a, b = (torch.randn(8, 16, generator=gen) for _ in range(3))
-    out = della_linear(base, [a, b], density=0.6, epsilon=0.0, generator=generator_for(1, "x"))
-    expected = dare_linear(base, [a, b], density=0.6, generator=generator_for(1, "x"))
+    out = della_linear(base, [a, b], density=0.6, epsilon=0.0, draws=Draws.of(1, "x"))
+    expected = dare_linear(base, [a, b], density=0.6, draws=Draws.of(1, "x"))
     torch.testing.assert_close(out, expected, atol=1e-7, rtol=0)
-    out = della(base, [a, b], density=0.6, epsilon=0.0, generator=generator_for(1, "x"))
+    out = della(base, [a, b], density=0.6, epsilon=0.0, draws=Draws.of(1, "x"))
     expected = merge("dare_ties", base=base, tensors=[a, b], density=0.6,
-                     generator=generator_for(1, "x"))
+                     draws=Draws.of(1, "x"))
     torch.testing.assert_close(out, expected, atol=1e-7, rtol=0)
 
 
@@ -79,29 +80,29 @@ def test_della_end_to_end_by_hand():
     #   |A| = 1 2 3 .5 4  -> ranks .25 .5 .75 0 1 -> p = .4 .5 .6 .3 .7
     #   |B| = 1 .1 2 3 .2 -> ranks .5 0 .75 1 .25 -> p = .5 .3 .6 .7 .4
     pa, pb = T([0.4, 0.5, 0.6, 0.3, 0.7]), T([0.5, 0.3, 0.6, 0.7, 0.4])
-    gen = generator_for(3, "t")  # one generator per output tensor: A's draw, then B's
-    ua, ub = torch.rand(5, generator=gen), torch.rand(5, generator=gen)
+    draws = Draws.of(227, "t")  # the draws of one output tensor: A's are model 0's, B's 1's
+    ua, ub = draws.uniform(0, (5,)), draws.uniform(1, (5,))
     assert (ua < pa).tolist() == [False, True, False, False, True]  # the draws of this seed
     assert (ub < pb).tolist() == [True, False, True, True, True]
     # survivors / p: A' = [0, -2/.5, 0, 0, 4/.7], B' = [-1/.5, 0, 2/.6, -3/.7, .2/.4]
     a_kept, b_kept = T([0.0, -4.0, 0.0, 0.0, 40 / 7]), T([-2.0, 0.0, 10 / 3, -30 / 7, 0.5])
     base = T([1.0, -1.0, 0.5, 2.0, 0.0])
     out = merge("della", base=base, tensors=[base + A, base + B], weights=[1.0, 2.0],
-                density=0.5, epsilon=0.2, lam=0.5, generator=generator_for(3, "t"))
+                density=0.5, epsilon=0.2, lam=0.5, draws=Draws.of(227, "t"))
     # elected signs of 1·A' + 2·B' = [-4, -4, 20/3, -60/7, 47/7]: - - + - +; disjoint weighted
     # mean of the agreeing nonzero entries: only entry 4 has both, (1·40/7 + 2·.5) / 3 = 47/21
     merged = T([-2.0, -4.0, 10 / 3, -30 / 7, 47 / 21])
     torch.testing.assert_close(out, base + 0.5 * merged, atol=1e-6, rtol=0)
     # della_linear: the weighted mean (1·A' + 2·B') / 3, no election
     out = merge("della_linear", base=base, tensors=[base + A, base + B], weights=[1.0, 2.0],
-                density=0.5, epsilon=0.2, lam=0.5, generator=generator_for(3, "t"))
+                density=0.5, epsilon=0.2, lam=0.5, draws=Draws.of(227, "t"))
     assert torch.allclose((a_kept + 2 * b_kept) / 3, T([-4 / 3, -4 / 3, 20 / 9, -20 / 7, 47 / 21]))
     torch.testing.assert_close(out, base + 0.5 * (a_kept + 2 * b_kept) / 3, atol=1e-6, rtol=0)
 
 
 def test_della_refuses_probabilities_outside_0_1():
     try:
-        magprune(T([1.0, 2.0]), 0.9, 0.15, generator_for(0, "x"))
+        magprune(T([1.0, 2.0]), 0.9, 0.15, Draws.of(0, "x"), 0)
     except ValueError as exc:
         assert "density ± epsilon" in str(exc)
     else:
@@ -146,9 +147,9 @@ def test_ties_conventions_switch_to_mergekits():
 
 def test_dare_l1_rescale_matches_the_norm():
     tau = torch.randn(64, generator=torch.Generator().manual_seed(2))
-    keep = torch.rand(64, generator=generator_for(0, "d")) < 0.5
-    out = dare_drop(tau, 0.5, generator_for(0, "d"), rescale="l1")
+    keep = Draws.of(0, "d").uniform(0, (64,)) < 0.5
+    out = dare_drop(tau, 0.5, Draws.of(0, "d"), 0, rescale="l1")
     torch.testing.assert_close(out, tau * keep * (tau.abs().sum() / (tau * keep).abs().sum()))
     torch.testing.assert_close(out.abs().sum(), tau.abs().sum())
-    none = dare_drop(tau, 0.5, generator_for(0, "d"), rescale="none")
+    none = dare_drop(tau, 0.5, Draws.of(0, "d"), 0, rescale="none")
     assert torch.equal(none, tau * keep)

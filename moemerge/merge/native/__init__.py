@@ -1,5 +1,6 @@
 """TIES as a compiled kernel: three streaming passes over the inputs instead of eager torch's
-dozen, with the same bytes out; and the sign consensus of the other TIES-family methods.
+dozen, with the same bytes out; the sign consensus of the other TIES-family methods; and the
+counter-based random drop of DARE and DELLA (draws.c, merge/draws.py's hash).
 
 Eager TIES makes every intermediate a tensor (the float32 task vectors, their magnitudes, keys,
 masks, the vote, the agreement, the weighted sums): at the Llama-3.2-1B shape with 4 experts it
@@ -7,8 +8,8 @@ runs ~11× the I/O floor, compute-bound. ties.c does, per entry, the same float3
 the same order (so the bytes are identical; tests/merge/test_native.py compares them bit for
 bit), streaming the bf16 / float32 inputs three times: two histograms that give each model's
 trim threshold exactly, then the merge. DARE-TIES, breadcrumbs-TIES and DELLA sparsify in torch
-(their random masks and bands) and hand their float32 task vectors to the same consensus
-(`consensus`, one pass where the torch code makes ten).
+(their random masks, drawn by `keep`, and bands) and hand their float32 task vectors to the
+same consensus (`consensus`, one pass where the torch code makes ten).
 
 The library is compiled on first use with the system's C compiler ($CC, else cc) into
 $MOEMERGE_CACHE/native (one file per source, compiler and CPU, written atomically) and loaded
@@ -16,6 +17,7 @@ with ctypes, which releases the GIL while it runs, so merge workers run it side 
 there is no compiler, the build fails, or MOEMERGE_NATIVE=0, `ties` returns None and the
 caller runs the torch code; so do the cases the kernel does not cover (more than 4 models, a
 dtype other than bf16 / float32, a GPU tensor, `trim_rounding: sort`, `consensus: count`).
+`keep` covers any model count (each model's drop is its own).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from moemerge.merge.methods import weights_of
 from moemerge.merge.primitives import check_density, keep_count, per_model
 from moemerge.paths import cache_root
 
-SOURCE = Path(__file__).with_name("ties.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("ties.c", "draws.c"))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared",
          "-std=c11")
 MAX_MODELS = 4  # torch sums a stack of at most 4 over its first axis from 0 in order
@@ -54,6 +56,8 @@ _SIGNATURES = {
                    ctypes.c_int, ctypes.c_int, _P, ctypes.c_int),
     "ties_consensus": (_P, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int, _P, ctypes.c_float,
                        ctypes.c_int, ctypes.c_int, _P, ctypes.c_int),
+    "draws_keep": (_P, _P, ctypes.c_float, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint32,
+                   ctypes.c_uint32, _P),
 }
 
 
@@ -77,19 +81,19 @@ def library() -> ctypes.CDLL | None:
 
 
 def _compiled(compiler: str) -> Path:
-    """The shared library for this source, compiler and CPU, compiled unless cached."""
+    """The shared library for these sources, compiler and CPU, compiled unless cached."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=60, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, *FLAGS,
+    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), compiler, version, *FLAGS,
                                     platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
-    target = cache_root() / "native" / f"ties-{key}.so"
+    target = cache_root() / "native" / f"merge-{key}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".ties-", suffix=".so")
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".merge-", suffix=".so")
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True,
+        subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True,
                        timeout=300, check=True)
         os.replace(tmp, target)  # atomic: a concurrent process loads a whole file or compiles
     finally:
@@ -171,3 +175,21 @@ def _thresholds(lib, call: tuple, densities: list[float], rounding: str) -> Tens
     values = ((buckets << 15) | lows).to(torch.int32).view(torch.float32)
     return torch.where(torch.tensor(densities) < 1.0, values, 0.0)
 
+
+
+def keep(draws, model: int, tau: Tensor, probs: Tensor) -> Tensor | None:
+    """draws.Draws.keep (τ · (u < p), p one float32 or one per entry) in the kernel, the same
+    bytes; None for a GPU tensor, another dtype, or no kernel."""
+    per_entry = probs.dim() > 0
+    if (tau.device.type != "cpu" or tau.dtype != torch.float32 or probs.device.type != "cpu"
+            or probs.dtype != torch.float32 or (per_entry and probs.shape != tau.shape)
+            or (lib := library()) is None):
+        return None
+    tau = tau.contiguous()
+    probs = probs.contiguous() if per_entry else probs
+    out = torch.empty_like(tau, memory_format=torch.contiguous_format)
+    s1, s2 = draws.streams(model)
+    lib.draws_keep(tau.data_ptr(), probs.data_ptr() if per_entry else None,
+                   0.0 if per_entry else float(probs), tau.numel(), draws.offset, s1, s2,
+                   out.data_ptr())
+    return out
