@@ -176,11 +176,17 @@ def rescale_kept(tau: Tensor, kept: Tensor, prob: Tensor | float, rescale: bool 
     when either norm is below 1e-7 (mergekit's rescaled_masked_tensor; `l1_scale`, that factor
     found over the whole tensor when `tau` is a block of it); "none" (or False) does nothing."""
     if rescale in (True, "expectation"):
-        return kept / prob
+        return kept / on_device(prob, kept)
     if rescale == "l1":
         return kept * (l1_scale if l1_scale is not None else l1_factor(tau.abs().sum(),
                                                                         kept.abs().sum()))
     return kept
+
+
+def on_device(scalar: Tensor | float, like: Tensor) -> Tensor:
+    """A divisor as a float32 tensor on `like`'s device: CUDA divides by a CPU scalar as a
+    multiplication by its reciprocal (off by an ulp), by a device tensor exactly, as the CPU."""
+    return torch.as_tensor(scalar, dtype=torch.float32, device=like.device)
 
 
 def l1_factor(before: Tensor, after: Tensor) -> Tensor:

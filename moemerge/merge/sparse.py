@@ -22,6 +22,7 @@ from moemerge.merge.primitives import (
     draws_or_default,
     elect_sign,
     keep_count,
+    on_device,
     per_model,
     rescale_kept,
     task_vectors,
@@ -110,7 +111,7 @@ def magnitude_ranks(tau: Tensor) -> Tensor:
     order = rows.argsort(dim=1, stable=True)
     positions = torch.arange(rows.shape[1], dtype=rows.dtype, device=rows.device)
     ranks = torch.empty_like(rows).scatter_(1, order, positions.expand_as(rows).contiguous())
-    return (ranks / max(rows.shape[1] - 1, 1)).reshape(tau.shape)
+    return (ranks / on_device(max(rows.shape[1] - 1, 1), ranks)).reshape(tau.shape)
 
 
 def magprune(tau: Tensor, density: float, epsilon: float, draws: Draws, model: int,

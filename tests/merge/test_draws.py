@@ -88,3 +88,19 @@ def test_masks_are_unbiased_and_independent():
     u = draws.uniform(2, (n,))
     assert 0.0 <= u.min().item() and u.max().item() < 1.0
     assert near((u < 0.5).float().mean().item(), 0.5, n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", ["dare_linear", "dare_ties", "della", "della_linear"])
+def test_cuda_draws_and_divides_as_the_cpu(method):
+    """The same bytes on CUDA: the same masks, and the rescale divides by a device tensor
+    (CUDA divides by a CPU scalar as a multiplication by its reciprocal, an ulp off)."""
+    from moemerge.merge.dispatch import merge
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(700, 600, generator=g)
+    models = [base + 0.05 * torch.randn(700, 600, generator=g) for _ in range(3)]
+    params = {"density": 0.7} | ({"epsilon": 0.1} if "della" in method else {})
+    out = {dev: merge(method, base=base.to(dev), tensors=[m.to(dev) for m in models],
+                      draws=Draws.of(4, "w"), **params).cpu() for dev in ("cpu", "cuda")}
+    assert torch.equal(out["cpu"].view(torch.int32), out["cuda"].view(torch.int32))
