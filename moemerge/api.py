@@ -39,7 +39,7 @@ from moemerge.io.outputs import check_output
 from moemerge.io.paths import check_output_apart
 from moemerge.io.writer import ShardedWriter, overwrite_tensors, parse_size
 from moemerge.plan.jobs import Plan
-from moemerge.plan.memory import Estimate, estimate, source_bytes
+from moemerge.plan.memory import Estimate, estimate, source_bytes, window_bytes
 from moemerge.plan.params import override_layer_warnings
 from moemerge.plan.recipe_plan import make_plan, open_and_plan
 from moemerge.plan.sources import SourceModel
@@ -249,9 +249,11 @@ class _Build:
                   what: str = "merging") -> None:
             planned = [(j.output, j.dtype, tuple(j.shape)) for j in plan.jobs]
             with ShardedWriter(dest, planned, max_shard_bytes=self.max_shard) as writer:
+                lookahead = max(options.lookahead, options.workers)
                 jobs = run_jobs(plan, tensors.load, make_router, recipe.seed,
                                 lookahead=options.lookahead, workers=options.workers,
-                                device=self.device, stored=tensors.stored)
+                                device=self.device, stored=tensors.stored,
+                                pool_bytes=window_bytes(plan, source_bytes(models), lookahead))
                 for job, tensor in self.stage.bar(what, jobs, plan.total_bytes, len(plan.jobs),
                                                   lambda item: item[0].nbytes):
                     tensors.put(writer, job, tensor)

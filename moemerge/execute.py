@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
+from moemerge import buffers
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.io.reader import TensorMeta, count_non_finite_stored
 from moemerge.io.writer import ShardedWriter, finite, refuse_non_finite
@@ -223,12 +224,14 @@ def torch_threads(count: int) -> Iterator[None]:
 def run_jobs(
     plan: Plan, load: Load, make_router: MakeRouter | None, seed: int, *, lookahead: int = 3,
     workers: int = 1, device: torch.device | str = "cpu", stored: Stored | None = None,
+    pool_bytes: int = 0,
 ) -> Iterator[tuple[Job, torch.Tensor | TensorMeta]]:
     """Yield (job, tensor) in plan order, computing up to `lookahead` jobs ahead on `workers`
     merge threads (each output tensor's bytes depend only on its own job: random methods draw
     from a hash of (seed, tensor name, entry), so any worker count gives the same output).
     With `stored`, a copy whose bytes are the output's is yielded as (job, TensorMeta), unread,
-    for the writer to copy file to file."""
+    for the writer to copy file to file. Tensors read and merged come from a pool of
+    `pool_bytes` of reused buffers (buffers.py; 0: none)."""
     lookahead = max(lookahead, workers)
     if make_router is not None and workers > 1:  # router factories cache what they read
         make_router = _serialised(make_router)
@@ -237,6 +240,7 @@ def run_jobs(
         return {s: load(s) for s in job.inputs}
 
     with (
+        buffers.pooled(pool_bytes),
         torch_threads(intra_op_threads(workers)),
         ThreadPoolExecutor(1, "moemerge-read") as reads,
         ThreadPoolExecutor(workers, "moemerge-merge") as merges,

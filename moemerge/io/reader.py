@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from moemerge import buffers
 from moemerge.errors import CheckpointError
 from moemerge.io import jsontext
 from moemerge.io.paths import check_tree_confined, confined
@@ -330,7 +331,7 @@ class _RawFile:
         self.fd = os.open(file, os.O_RDONLY)
 
     def read(self, meta: TensorMeta) -> torch.Tensor:
-        out = torch.empty(meta.shape, dtype=meta.dtype)
+        out = buffers.empty(meta.shape, meta.dtype)  # a build's pool: no fresh pages
         view = memoryview(out.reshape(-1).view(torch.uint8).numpy())  # little-endian, as on disk
         offset = meta.offset
         while view.nbytes:

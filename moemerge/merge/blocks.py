@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from moemerge import buffers
 from moemerge.merge.draws import Draws
 from moemerge.merge.primitives import (
     PerModel,
@@ -193,7 +194,7 @@ def merge_in_blocks(function: Callable[..., Tensor], base: Tensor | None,
                     pass_base: bool, **kwargs) -> Tensor:
     """`function` applied to each row block of the inputs, written into one tensor of `dtype`
     (the cast of a block is the cast of those entries of the whole)."""
-    out = torch.empty(tensors[0].shape, dtype=dtype)
+    out = buffers.empty(tensors[0].shape, dtype)
     draws = kwargs.pop("draws", False)  # a random method: each block its own place in them
     for b in blocks:
         if draws is not False:

@@ -55,12 +55,19 @@ def source_bytes(models: list[SourceModel]) -> Callable[[Source], int]:
     return size
 
 
-def estimate(plan: Plan, source_bytes: Callable[[Source], int], lookahead: int = 3) -> Estimate:
-    """The peak over every `lookahead` consecutive jobs of their inputs and outputs, plus the
-    output being written, the largest working set of one merge and what the sources' changes
-    hold between jobs (Plan.resident_bytes: upcycling's float32 copy of a dense FFN tensor)."""
+def window_bytes(plan: Plan, source_bytes: Callable[[Source], int], lookahead: int = 3) -> int:
+    """The most that any `lookahead` consecutive jobs hold: their inputs and outputs (also
+    the executor's buffer pool's capacity, moemerge/buffers.py)."""
     held = [sum(map(source_bytes, job.inputs)) + job.nbytes for job in plan.jobs]
-    window = max((sum(held[i:i + lookahead]) for i in range(len(held))), default=0)
+    return max((sum(held[i:i + lookahead]) for i in range(len(held))), default=0)
+
+
+def estimate(plan: Plan, source_bytes: Callable[[Source], int], lookahead: int = 3) -> Estimate:
+    """The peak over every `lookahead` consecutive jobs of their inputs and outputs (a pool of
+    reused buffers holds no more, buffers.py), plus the output being written, the largest
+    working set of one merge and what the sources' changes hold between jobs
+    (Plan.resident_bytes: upcycling's float32 copy of a dense FFN tensor)."""
     writing = max((job.nbytes for job in plan.jobs), default=0)
-    return Estimate(window + writing + max(map(working_set, plan.jobs), default=0)
-                    + plan.resident_bytes, plan.total_bytes)
+    return Estimate(window_bytes(plan, source_bytes, lookahead) + writing
+                    + max(map(working_set, plan.jobs), default=0) + plan.resident_bytes,
+                    plan.total_bytes)

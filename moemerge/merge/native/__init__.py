@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from moemerge import buffers
 from moemerge.merge.blocks import select_bins
 from moemerge.merge.methods import weights_of
 from moemerge.merge.primitives import check_density, keep_count, per_model
@@ -133,7 +134,7 @@ def ties(base: Tensor, tensors: Sequence[Tensor], weights, *, density, lam: floa
     w = weights_of(weights, len(tensors), normalize=False)
     if bool((w == 1).all()):
         w = None  # torch skips multiplying by unit weights (exact either way)
-    out = torch.empty(base.shape, dtype=dtype)
+    out = buffers.empty(base.shape, dtype)
     lib.ties_merge(*call, thresholds.data_ptr(), None if w is None else w.data_ptr(),
                    float(lam), int(normalize), int(zero_vote == "positive"), out.data_ptr(),
                    DTYPES[dtype])
