@@ -96,6 +96,31 @@ def test_the_consensus_of_other_methods_gives_the_same_bytes(monkeypatch, method
         assert same_bits(fast, slow), (method, params, weights)
 
 
+@requires_kernel
+@pytest.mark.parametrize("cores", [2, 3])
+def test_parts_side_by_side_give_the_same_bytes(monkeypatch, cores):
+    """Each pass runs in one part of the tensor per core (histograms summed over the parts, the
+    merge written part by part): the bytes of the torch code for any number of parts."""
+    base, models = experts((600, 513), 4, torch.bfloat16, seed=3)
+    monkeypatch.setattr(native, "PART", 1000)
+    monkeypatch.setattr(native, "_cores", lambda: cores)
+    seen = []
+    real = native._in_parts
+    def counted(count, run):
+        results = real(count, run)
+        seen.append(len(results))
+        return results
+
+    monkeypatch.setattr(native, "_in_parts", counted)
+    params = {"density": [0.5, 0.2, 0.9, 0.05], "lambda": 0.8}
+    fast = native.ties(base, models, [1.0, 0.5, 2.0, 1.0], dtype=torch.bfloat16,
+                       **_call(params))
+    assert set(seen) == {cores}
+    assert same_bits(fast, torch_ties(monkeypatch, base=base, tensors=models,
+                                      weights=[1.0, 0.5, 2.0, 1.0], dtype=torch.bfloat16,
+                                      **params))
+
+
 def _call(params: dict) -> dict:
     """The registry's parameters as methods.ties takes them."""
     call = {"density": 0.7, "lam": 1.0} | {k: v for k, v in params.items() if k != "lambda"}

@@ -7,9 +7,11 @@ masks, the vote, the agreement, the weighted sums): at the Llama-3.2-1B shape wi
 runs ~11× the I/O floor, compute-bound. ties.c does, per entry, the same float32 operations in
 the same order (so the bytes are identical; tests/merge/test_native.py compares them bit for
 bit), streaming the bf16 / float32 inputs three times: two histograms that give each model's
-trim threshold exactly, then the merge. DARE-TIES, breadcrumbs-TIES and DELLA sparsify in torch
-(their random masks, drawn by `keep`, and bands) and hand their float32 task vectors to the
-same consensus (`consensus`, one pass where the torch code makes ten).
+trim threshold exactly, then the merge; each pass in one contiguous part of the tensor per core,
+side by side.
+DARE-TIES, breadcrumbs-TIES and DELLA sparsify in torch (their random masks, drawn by `keep`,
+and bands) and hand their float32 task vectors to the same consensus (`consensus`, one pass
+where the torch code makes ten).
 
 The library is compiled on first use with the system's C compiler ($CC, else cc) into
 $MOEMERGE_CACHE/native (one file per source, compiler and CPU, written atomically) and loaded
@@ -30,7 +32,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -48,6 +51,7 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC",
 MAX_MODELS = 4  # torch sums a stack of at most 4 over its first axis from 0 in order
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 BUCKETS, LOW = 1 << 16, 1 << 15  # the top 16 and the low 15 bits of a non-negative float32
+PART = 1 << 18  # entries: a tensor is cut into parts, one per core, of at least this many
 
 _P = ctypes.c_void_p
 _SIGNATURES = {
@@ -127,18 +131,48 @@ def ties(base: Tensor, tensors: Sequence[Tensor], weights, *, density, lam: floa
     for d in densities:
         check_density(d)
     inputs = [t.contiguous() for t in inputs]
-    count, code = base.numel(), DTYPES[base.dtype]
-    models = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in inputs[1:]))
-    call = (inputs[0].data_ptr(), models, len(tensors), count, code)
-    thresholds = _thresholds(lib, call, densities, trim_rounding)
+    thresholds = _thresholds(lib, inputs, densities, trim_rounding)
     w = weights_of(weights, len(tensors), normalize=False)
     if bool((w == 1).all()):
         w = None  # torch skips multiplying by unit weights (exact either way)
     out = buffers.empty(base.shape, dtype)
-    lib.ties_merge(*call, thresholds.data_ptr(), None if w is None else w.data_ptr(),
-                   float(lam), int(normalize), int(zero_vote == "positive"), out.data_ptr(),
-                   DTYPES[dtype])
+
+    def merge(start: int, length: int) -> None:
+        lib.ties_merge(*_call(inputs, start, length), thresholds.data_ptr(),
+                       None if w is None else w.data_ptr(), float(lam), int(normalize),
+                       int(zero_vote == "positive"), out.data_ptr() + start * out.element_size(),
+                       DTYPES[dtype])
+
+    _in_parts(base.numel(), merge)
     return out
+
+
+def _call(inputs: list[Tensor], start: int, length: int) -> tuple:
+    """The kernels' first arguments for entries start..start+length of base and models."""
+    offset = start * inputs[0].element_size()
+    models = (ctypes.c_void_p * (len(inputs) - 1))(*(t.data_ptr() + offset for t in inputs[1:]))
+    return inputs[0].data_ptr() + offset, models, len(inputs) - 1, length, DTYPES[inputs[0].dtype]
+
+
+@functools.cache
+def _threads() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(_cores(), "moemerge-kernel")
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _in_parts(count: int, run: Callable[[int, int], object]) -> list:
+    """run(start, length) over [0, count) in one contiguous part per core, side by side (ctypes
+    releases the GIL; every entry's arithmetic is its own, so the bytes do not depend on the
+    parts); tensors under 2 · PART entries in one call. The results, in order."""
+    parts = max(1, min(_cores(), count // PART))
+    if parts == 1:
+        return [run(0, count)]
+    step = -(-count // parts)
+    futures = [_threads().submit(run, s, min(step, count - s)) for s in range(0, count, step)]
+    return [f.result() for f in futures]
 
 
 def consensus(base: Tensor, taus: Tensor, w: Tensor, lam: float, *, normalize: bool,
@@ -161,17 +195,25 @@ def consensus(base: Tensor, taus: Tensor, w: Tensor, lam: float, *, normalize: b
     return out
 
 
-def _thresholds(lib, call: tuple, densities: list[float], rounding: str) -> Tensor:
+def _thresholds(lib, inputs: list[Tensor], densities: list[float], rounding: str) -> Tensor:
     """Each model's trim cut-off [N] float32: the k-th largest |τ_i| (0 at density 1), exactly
     the value torch's select finds (blocks.kth_largest, primitives.trim_threshold): the bucket
-    of the top 16 bits that holds it, then its low 15 bits within that bucket."""
-    n, count = len(densities), call[3]
-    high = torch.zeros((n, BUCKETS), dtype=torch.int64)
-    lib.ties_histogram(*call, high.data_ptr())
+    of the top 16 bits that holds it, then its low 15 bits within that bucket. Each pass's
+    counts are summed over the tensor's parts."""
+    n, count = len(densities), inputs[0].numel()
+
+    def histogram(function, width: int, *args) -> Tensor:  # [n, width]: every part's, summed
+        def part(start: int, length: int) -> Tensor:
+            counts = torch.zeros((n, width), dtype=torch.int64)
+            function(*_call(inputs, start, length), *args, counts.data_ptr())
+            return counts
+        return torch.stack(_in_parts(count, part)).sum(0)
+
+    high = histogram(lib.ties_histogram, BUCKETS)
     ks = torch.tensor([keep_count(count, d, rounding) for d in densities])
     buckets, ranks = select_bins(high, ks)
-    low, keys = torch.zeros((n, LOW), dtype=torch.int64), buckets.to(torch.int32)
-    lib.ties_histogram_low(*call, keys.data_ptr(), low.data_ptr())  # (pointers: held tensors)
+    keys = buckets.to(torch.int32)
+    low = histogram(lib.ties_histogram_low, LOW, keys.data_ptr())  # (pointers: held tensors)
     lows, _ = select_bins(low, ranks)
     values = ((buckets << 15) | lows).to(torch.int32).view(torch.float32)
     return torch.where(torch.tensor(densities) < 1.0, values, 0.0)
@@ -194,3 +236,4 @@ def keep(draws, model: int, tau: Tensor, probs: Tensor) -> Tensor | None:
                    0.0 if per_entry else float(probs), tau.numel(), draws.offset, s1, s2,
                    out.data_ptr())
     return out
+
