@@ -20,18 +20,18 @@ the same in any blocks, any order, any worker count, and as the tensor merged in
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 from moemerge import buffers
-from moemerge.merge.draws import Draws
+from moemerge.merge.draws import Draws, draws_or_default
 from moemerge.merge.primitives import (
     PerModel,
     check_density,
     dare_drop,
-    draws_or_default,
     keep_count,
     l1_factor,
     per_model,
@@ -141,12 +141,7 @@ def _l1_scales(base: Tensor, tensors: Sequence[Tensor], blocks: list[slice],
 
 def first_entry(block: slice, shape: Sequence[int]) -> int:
     """The flat index of a row block's first entry in a tensor of `shape`."""
-    if block.start is None:
-        return 0
-    row = 1
-    for n in shape[1:]:
-        row *= n
-    return block.start * row
+    return 0 if block.start is None else block.start * math.prod(shape[1:])
 
 
 def trim_thresholds(base: Tensor, tensors: Sequence[Tensor], blocks: list[slice], *,
@@ -195,10 +190,11 @@ def merge_in_blocks(function: Callable[..., Tensor], base: Tensor | None,
     """`function` applied to each row block of the inputs, written into one tensor of `dtype`
     (the cast of a block is the cast of those entries of the whole)."""
     out = buffers.empty(tensors[0].shape, dtype)
-    draws = kwargs.pop("draws", False)  # a random method: each block its own place in them
+    random = "draws" in kwargs  # a random method: each block draws from its own place on
+    draws = draws_or_default(kwargs.pop("draws", None))
     for b in blocks:
-        if draws is not False:
-            kwargs["draws"] = draws_or_default(draws).at(first_entry(b, out.shape))
+        if random:
+            kwargs["draws"] = draws.at(first_entry(b, out.shape))
         parts = [t[b] for t in tensors]
         merged = (function(base[b], parts, **kwargs) if pass_base and base is not None
                   else function(parts, **kwargs))

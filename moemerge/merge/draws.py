@@ -16,6 +16,7 @@ so in int64 arithmetic x · m < 2⁶³ never overflows). native/draws.c computes
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -69,11 +70,9 @@ class Draws:
                 device: torch.device | str = "cpu") -> Tensor:
         """Model `model`'s uniforms [*shape] float32 in [0, 1), for entries offset.. on."""
         s1, s2 = self.streams(model)
-        numel = 1
-        for n in shape:
-            numel *= n
-        j = torch.arange(self.offset, self.offset + numel, dtype=torch.int64, device=device)
-        h = _mix_(j & MASK32 ^ s1)
+        j = torch.arange(self.offset, self.offset + math.prod(shape), dtype=torch.int64,
+                         device=device)
+        h = _mix_((j & MASK32) ^ s1)
         h = _mix_(h.bitwise_xor_((j >> 32) ^ s2))
         return (h >> 8).float().mul_(2.0 ** -24).reshape(shape)  # exact: 24-bit integers
 
@@ -91,3 +90,8 @@ class Draws:
 
 
 DEFAULT = Draws(0)  # a merge called without draws: fixed, never the global random state
+
+
+def draws_or_default(draws: Draws | None) -> Draws:
+    """The draws given, or the fixed ones a merge called without any uses."""
+    return draws if draws is not None else DEFAULT

@@ -14,12 +14,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from moemerge.merge.draws import Draws
+from moemerge.merge.draws import Draws, draws_or_default
 from moemerge.merge.primitives import (
     PerModel,
     dare_drop,
     disjoint_mean_,
-    draws_or_default,
     elect_sign,
     per_model,
     task_vectors,

@@ -18,7 +18,6 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from moemerge.merge.draws import DEFAULT as DEFAULT_DRAWS
 from moemerge.merge.draws import Draws
 
 
@@ -193,11 +192,6 @@ def l1_factor(before: Tensor, after: Tensor) -> Tensor:
     """|τ|₁ / |kept|₁, or 1 where either norm is below 1e-7 (mergekit leaves those as they are)."""
     small = (before < 1e-7) | (after < 1e-7)
     return torch.where(small, torch.ones_like(before), before / torch.where(small, 1.0, after))
-
-
-def draws_or_default(draws: Draws | None) -> Draws:
-    """The draws given, or the fixed ones a merge called without any uses."""
-    return draws if draws is not None else DEFAULT_DRAWS
 
 
 def generator_for(seed: int, name: str) -> torch.Generator:

@@ -13,13 +13,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from moemerge.merge.draws import Draws
+from moemerge.merge.draws import Draws, draws_or_default
 from moemerge.merge.methods import Weights, combine, consensus_merge, weights_of
 from moemerge.merge.primitives import (
     PerModel,
     check_density,
     disjoint_mean,
-    draws_or_default,
     elect_sign,
     keep_count,
     on_device,

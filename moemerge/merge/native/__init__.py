@@ -236,4 +236,3 @@ def keep(draws, model: int, tau: Tensor, probs: Tensor) -> Tensor | None:
                    0.0 if per_entry else float(probs), tau.numel(), draws.offset, s1, s2,
                    out.data_ptr())
     return out
-
