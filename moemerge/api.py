@@ -25,7 +25,13 @@ from moemerge.errors import RecipeError
 from moemerge.eval.perplexity import load_tokenizer
 from moemerge.execute import CheckedTensors, check_device, run_jobs
 from moemerge.finish.card import model_card
-from moemerge.finish.gguf import check_layout_converts, check_outtype, find_converter, write_gguf
+from moemerge.finish.gguf import (
+    check_layout_converts,
+    check_outtype,
+    default_timeout,
+    find_converter,
+    write_gguf,
+)
 from moemerge.finish.remote_code import copy_modeling_code
 from moemerge.finish.verify import FULL_LOAD_LIMIT, check_loads, check_structure
 from moemerge.io.atomic import (
@@ -287,7 +293,11 @@ class _Build:
             if full:
                 with self.stage("checking that the output loads in transformers"):
                     check_loads(tmp)
-        written = write_gguf(out, options.gguf, converter) if converter is not None else None
+        written = None
+        if converter is not None:
+            timeout = options.gguf_timeout or default_timeout(out)
+            with self.stage("writing the GGUF"):
+                written = write_gguf(out, options.gguf, converter, timeout)
         return BuildResult(plan, out, "full" if full else "structure", tuning, gguf=written)
 
     def _finish(self, dest: Path, plan: Plan, recipe: AnyRecipe, recipe_text: str,

@@ -15,6 +15,7 @@ from moemerge.errors import RecipeError
 
 Verify = Literal["auto", "full", "structure"]
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+MAX_TIMEOUT = 7 * 24 * 3600.0
 
 
 def _numbers(value: object) -> object:
@@ -86,6 +87,17 @@ class BuildOptions(BaseModel):
     llama_cpp: Path | None = Field(None, description=(
         "A llama.cpp checkout, or an unpacked llama-cpp-python sdist, whose "
         "convert_hf_to_gguf.py --gguf runs."))
+    gguf_timeout: float | None = Field(None, description=(
+        "Seconds llama.cpp's converter may run before it is stopped (default: 10 minutes, and "
+        "10 more per GiB of weights)."))
+
+    @field_validator("gguf_timeout")
+    @classmethod
+    def _a_time_limit(cls, value: float | None) -> float | None:
+        if value is not None and not 0 < value <= MAX_TIMEOUT:
+            raise ValueError(f"must be a number of seconds above 0 and at most {MAX_TIMEOUT:g} "
+                             f"(a week), got {value!r}")
+        return value
 
     @field_validator("workers", "lookahead")
     @classmethod

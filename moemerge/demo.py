@@ -79,7 +79,7 @@ def materialise_pretrained(name: str, directory: Path, *, force: bool = False) -
 def _check_apart(directory: Path, force: bool) -> None:
     """Before any work: the output rule, with the toy cache as the input it must stay apart
     from."""
-    from moemerge.paths import cache_root
+    from moemerge.cache import cache_root
 
     check_output(directory, [("the toy cache", cache_root())], force=force, directory=True)
 

@@ -29,6 +29,20 @@ class OutputError(MoemergeError):
     """The output cannot be written safely, or failed its own check after writing."""
 
 
+class CacheError(MoemergeError):
+    """A cache entry that someone else could have written is not used: names the path."""
+
+
+class ToolError(MoemergeError):
+    """An outside tool moemerge runs (llama.cpp's converter, the C compiler) failed, timed out
+    or left no proper output: names the tool and what it did."""
+
+
+class Note(UserWarning):
+    """Something the user should know that is not a problem with their input (the kernel being
+    compiled, a fallback taken); the CLI prints it as `note: ...` on stderr."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised like Ctrl-C so that every cleanup an interrupt runs (temporary
     directories removed, old outputs kept) runs for it too. Exit code 143 (128 + SIGTERM)."""

@@ -11,6 +11,7 @@ import inspect
 import re
 import signal
 import threading
+import warnings
 from collections.abc import Callable
 from functools import partial, wraps
 from typing import Annotated
@@ -21,7 +22,7 @@ from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
 from moemerge import __version__
-from moemerge.errors import MoemergeError, Terminated
+from moemerge.errors import MoemergeError, Note, Terminated
 
 
 def clickish(command) -> None:
@@ -116,6 +117,8 @@ def reports_errors(command: Callable) -> Callable:
     @wraps(command)
     def run(*args, **kwargs):
         previous = _on_sigterm(_terminate)
+        shown = warnings.showwarning
+        warnings.showwarning = partial(_show_note, shown)
         try:
             return command(*args, **kwargs)
         except MoemergeError as exc:
@@ -129,8 +132,17 @@ def reports_errors(command: Callable) -> Callable:
             raise typer.Exit(1) from None
         finally:
             _on_sigterm(previous)
+            warnings.showwarning = shown
 
     return run
+
+
+def _show_note(otherwise, message, category, *args, **kwargs) -> None:
+    """moemerge's Notes as `note: ...` lines on stderr; other warnings as Python shows them."""
+    if issubclass(category, Note):
+        err.print(f"[cyan]note:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
+    else:
+        otherwise(message, category, *args, **kwargs)
 
 
 def _terminate(signum, frame) -> None:

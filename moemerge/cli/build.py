@@ -73,6 +73,9 @@ def build(
     llama_cpp: Annotated[
         Optional[Path], Option("llama_cpp", "--llama-cpp", show_default=False)  # noqa: UP045
     ] = None,
+    gguf_timeout: Annotated[
+        Optional[float], Option("gguf_timeout", "--gguf-timeout", show_default=False)  # noqa: UP045
+    ] = None,
 ) -> None:
     """Build a merged dense model or an MoE from RECIPE into OUTPUT."""
     from moemerge.errors import RecipeError
@@ -90,7 +93,7 @@ def build(
     options = build_options(
         dry_run=dry_run, force=force, allow_pickle=allow_pickle, verify=verify, strict=strict,
         allow_non_finite=allow_non_finite, workers=workers, lookahead=lookahead, device=device,
-        tune=tune, gguf=gguf, llama_cpp=llama_cpp)
+        tune=tune, gguf=gguf, llama_cpp=llama_cpp, gguf_timeout=gguf_timeout)
     result = build_file(recipe, output, options, progress=progress, warn=_print_warning,
                         on_candidate=None if quiet else _print_candidate)
     if result.tuning is not None:

@@ -12,13 +12,15 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import subprocess
+import stat
 import sys
+import warnings
 from pathlib import Path
 
 from moemerge.architectures.tables import expert_count_keys, moe_layouts
 from moemerge.build_options import GGUF_TYPES
-from moemerge.errors import OutputError, RecipeError
+from moemerge.errors import Note, RecipeError, ToolError
+from moemerge.external import last_lines, run_tool
 
 ENV = "LLAMA_CPP_DIR"
 SCRIPT = "convert_hf_to_gguf.py"
@@ -76,19 +78,26 @@ def check_layout_converts(config: dict) -> None:
 
 
 def find_converter(llama_cpp: Path | None) -> list[str]:
-    """The command that runs llama.cpp's converter: from --llama-cpp DIR, else $LLAMA_CPP_DIR,
-    else the console script on PATH. A RecipeError (exit 2) saying how to get it otherwise."""
+    """The command that runs llama.cpp's converter, every path in it absolute: from --llama-cpp
+    DIR (relative to the working directory, as typed), else $LLAMA_CPP_DIR (which must be
+    absolute: a relative one would run whatever script the working directory holds), else the
+    console script on PATH. A RecipeError (exit 2) saying how to get it otherwise."""
+    if llama_cpp is None and os.environ.get(ENV) and not Path(os.environ[ENV]).is_absolute():
+        raise RecipeError(f"${ENV} is {os.environ[ENV]!r}, a relative path: moemerge would run "
+                          f"the {SCRIPT} of whatever directory it is started in. Set it to an "
+                          "absolute path, or give --llama-cpp DIR")
     where = llama_cpp if llama_cpp is not None else (
         Path(os.environ[ENV]) if os.environ.get(ENV) else None)
     if where is not None:
         origin = "--llama-cpp" if llama_cpp is not None else f"${ENV}"
+        where = where.expanduser().absolute()
         for script in (where / SCRIPT, where / "vendor" / "llama.cpp" / SCRIPT):
             if script.is_file():
-                return [sys.executable, str(script)]
+                return [str(Path(sys.executable).absolute()), str(script)]
         raise RecipeError(f"{origin} {where}: no {SCRIPT} there (nor under vendor/llama.cpp/); "
                           f"{HOW_TO_GET}")
     if (console := shutil.which(CONSOLE_SCRIPT)) is not None:
-        return [console]
+        return [str(Path(console).absolute())]
     raise RecipeError(f"--gguf needs llama.cpp's {SCRIPT}, which is not on PyPI by itself: "
                       f"{HOW_TO_GET}")
 
@@ -105,21 +114,63 @@ def gguf_path(model_dir: Path, outtype: str) -> Path:
     return model_dir / f"model-{outtype}.gguf"
 
 
-def write_gguf(model_dir: Path, outtype: str, command: list[str]) -> Path:
-    """Convert `model_dir` to model_dir/model-OUTTYPE.gguf. The converter writes a `.partial`
-    file that is renamed only once it exits 0, so a `.gguf` that exists is a whole one."""
+# the converter's time limit unless --gguf-timeout: 10 minutes, and 10 more per GiB of weights
+# (it converts the 135M model's 0.5 GiB in ~20 s on 2 cores: 30x that rate still fits)
+BASE_TIMEOUT, TIMEOUT_PER_GIB = 600.0, 600.0
+
+
+def default_timeout(model_dir: Path) -> float:
+    weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    return BASE_TIMEOUT + TIMEOUT_PER_GIB * weights / 2**30
+
+
+def write_gguf(model_dir: Path, outtype: str, command: list[str],
+               timeout: float | None = None) -> Path:
+    """Convert `model_dir` to model_dir/model-OUTTYPE.gguf within `timeout` seconds (default:
+    `default_timeout`). The converter writes a `.partial` file that is renamed only once it
+    exits 0 and the `.partial` is a regular file starting with GGUF's magic, so a `.gguf` that
+    exists is a whole one; anything else it leaves is removed."""
     check_vocabulary_support(model_dir)
     out = gguf_path(model_dir, outtype)
     partial = out.with_name(out.name + ".partial")
+    timeout = default_timeout(model_dir) if timeout is None else timeout
+    tool = f"{out}: llama.cpp's converter ({' '.join(command)})"
+    warnings.warn(f"running llama.cpp's converter: {' '.join(command)} (stopped after "
+                  f"{timeout:g} s)", Note, stacklevel=2)
     try:
-        done = subprocess.run([*command, str(model_dir), "--outtype", outtype, "--outfile",
-                               str(partial)], capture_output=True, text=True)
+        done = run_tool([*command, model_dir, "--outtype", outtype, "--outfile", partial],
+                        what=tool, timeout=timeout)
         if done.returncode:
-            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
-            raise OutputError(f"{out}: llama.cpp's converter ({' '.join(command)}) failed with "
-                              f"exit code {done.returncode}; the safetensors output is complete. "
-                              f"Its last lines:\n{tail}")
+            raise ToolError(f"{tool} failed with exit code {done.returncode}; the safetensors "
+                            f"output is complete. Its last lines:\n{last_lines(done)}")
+        if (problem := _not_a_gguf(partial)) is not None:
+            raise ToolError(f"{tool} exited 0 but {problem}; the safetensors output is "
+                            "complete, no GGUF was written")
         os.replace(partial, out)
     finally:
-        partial.unlink(missing_ok=True)
+        _remove(partial)
     return out
+
+
+def _not_a_gguf(path: Path) -> str | None:
+    """What is wrong with the converter's output file, or None for a regular GGUF file."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return f"wrote no {path.name}"
+    if stat.S_ISLNK(st.st_mode):
+        return f"left {path.name} as a symlink (to {os.readlink(path)})"
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "no regular file"
+        return f"left {path.name} as {kind}"
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            return f"left {path.name} without GGUF's magic bytes: it is no GGUF file"
+    return None
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

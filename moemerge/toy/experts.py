@@ -25,8 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from moemerge.loading import quiet_transformers
-from moemerge.paths import cache_root
-from moemerge.toy.cache import cached_entry
+from moemerge.toy.cache import cached_entry, entry_path
 from moemerge.toy.corpora import DOMAINS, domain_texts
 from moemerge.toy.tokenizer import train_tokenizer
 from moemerge.toy.train import (
@@ -234,7 +233,7 @@ def cached_toy_experts(
 ) -> ToySet:
     """The toy set of `spec`, made on first use and then read from the cache (moemerge.toy.cache:
     an interrupted make never looks complete)."""
-    final = Path(cache_dir or cache_root()) / "toy" / spec.key()
+    final = entry_path("toy", spec.key(), cache_dir=cache_dir)
     return ToySet.load(cached_entry(final, TOYSET_FILE,
                                     lambda tmp: make_toy_experts(spec, tmp, progress=progress),
                                     rebuild=rebuild))

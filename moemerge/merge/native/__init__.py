@@ -13,11 +13,15 @@ DARE-TIES, breadcrumbs-TIES and DELLA sparsify in torch (their random masks, dra
 and bands) and hand their float32 task vectors to the same consensus (`consensus`, one pass
 where the torch code makes ten).
 
-The library is compiled on first use with the system's C compiler ($CC, else cc) into
-$MOEMERGE_CACHE/native (one file per source, compiler and CPU, written atomically) and loaded
-with ctypes, which releases the GIL while it runs, so merge workers run it side by side. Where
-there is no compiler, the build fails, or MOEMERGE_NATIVE=0, `ties` returns None and the
-caller runs the torch code; so do the cases the kernel does not cover (more than 4 models, a
+The library is compiled on first use with the system's C compiler ($CC, else cc; resolved to an
+absolute path and run with a time limit, moemerge.external) into $MOEMERGE_CACHE/native, a
+directory of the user's own with mode 0700 (moemerge.cache refuses one that others could
+write): one file per source, compiler and CPU, renamed into place from a private temporary,
+its sha256 recorded beside it. It is loaded with ctypes (which releases the GIL while it runs,
+so merge workers run it side by side) from the very file whose digest was checked; a mismatch
+compiles it again. Where there is no compiler, MOEMERGE_NATIVE=0, the build fails or the cache
+is not the user's own (the last two said in a Note), `ties` returns None and the caller runs
+the torch code; so do the cases the kernel does not cover (more than 4 models, a
 dtype other than bf16 / float32, a GPU tensor, `trim_rounding: sort`, `consensus: count`).
 `keep` covers any model count (each model's drop is its own).
 """
@@ -30,8 +34,9 @@ import hashlib
 import os
 import platform
 import shutil
-import subprocess
+import stat
 import tempfile
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,10 +45,12 @@ import torch
 from torch import Tensor
 
 from moemerge import buffers
+from moemerge.cache import private_dir
+from moemerge.errors import CacheError, Note, ToolError
+from moemerge.external import last_lines, resolve_program, run_tool
 from moemerge.merge.blocks import select_bins
 from moemerge.merge.methods import weights_of
 from moemerge.merge.primitives import check_density, keep_count, per_model
-from moemerge.paths import cache_root
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("ties.c", "draws.c"))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared",
@@ -68,16 +75,18 @@ _SIGNATURES = {
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (no compiler, a failed build, MOEMERGE_NATIVE=0)."""
+    """The compiled kernels, or None (MOEMERGE_NATIVE=0, no compiler; a failed build or an
+    untrusted cache, each said in a Note)."""
     if os.environ.get("MOEMERGE_NATIVE", "1") == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc")
     if compiler is None:
         return None
     try:
-        target = _compiled(compiler)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError):
+        lib = _loaded(resolve_program(compiler, "the C compiler ($CC, else cc)"))
+    except (CacheError, ToolError, OSError) as exc:
+        warnings.warn(f"the compiled merge kernel is not used: {exc}. Merging with the torch "
+                      "code instead (the same bytes, slower)", Note, stacklevel=2)
         return None
     for name, args in _SIGNATURES.items():
         getattr(lib, name).argtypes = args
@@ -85,25 +94,106 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def _compiled(compiler: str) -> Path:
-    """The shared library for these sources, compiler and CPU, compiled unless cached."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             timeout=60, check=True).stdout
-    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), compiler, version, *FLAGS,
-                                    platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
-    target = cache_root() / "native" / f"merge-{key}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+VERSION_TIMEOUT, COMPILE_TIMEOUT = 30, 300  # s; compiling takes ~11 s on 2 cores
+
+
+def _loaded(compiler: Path) -> ctypes.CDLL:
+    """The shared library for these sources, compiler and CPU, from the cache (verified against
+    the digest recorded when it was compiled) or compiled into it; a mismatch is compiled
+    again once."""
+    key = _key(compiler)
+    directory = private_dir("native")  # a CacheError where others could write
+    target = directory / f"merge-{key}.so"
+    digest = directory / f"merge-{key}.sha256"
+    if os.path.lexists(target) and (lib := _verified(target, digest)) is not None:
+        return lib
+    if os.path.lexists(target):
+        warnings.warn(f"{target} is not the library moemerge compiled (no digest recorded, "
+                      "another digest, or not a regular file of this user's that only they "
+                      "can write): compiling it again", Note, stacklevel=3)
+        target.unlink()
+    _compile(compiler, target, digest)
+    if (lib := _verified(target, digest)) is None:
+        raise CacheError(f"{target} does not match its digest right after compiling it "
+                         "(another process writing the same cache?)")
+    return lib
+
+
+def _key(compiler: Path) -> str:
+    """Of the sources, the compiler and its version, the flags and the CPU."""
+    done = run_tool([compiler, "--version"], what="the C compiler", timeout=VERSION_TIMEOUT)
+    if done.returncode:
+        raise ToolError(f"the C compiler ({compiler}) failed `--version` with exit code "
+                        f"{done.returncode}")
+    return hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), str(compiler),
+                                     done.stdout, *FLAGS, platform.machine(),
+                                     _cpu_flags()]).encode()).hexdigest()[:16]
+
+
+def _compile(compiler: Path, target: Path, digest: Path) -> None:
+    """Compile into a private temporary beside `target`, record its sha256 in `digest`, then
+    rename it into place (atomic: another process loads a whole file or none)."""
+    warnings.warn(f"compiling moemerge's merge kernel with {compiler} into {target.parent} "
+                  "(once, about 10 s; MOEMERGE_NATIVE=0 does without it)", Note, stacklevel=4)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".merge-", suffix=".so")
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True,
-                       timeout=300, check=True)
-        os.replace(tmp, target)  # atomic: a concurrent process loads a whole file or compiles
+        done = run_tool([compiler, *FLAGS, "-o", tmp, *SOURCES], what="the C compiler",
+                        timeout=COMPILE_TIMEOUT)
+        if done.returncode:
+            raise ToolError(f"the C compiler ({compiler}) failed with exit code "
+                            f"{done.returncode}:\n{last_lines(done)}")
+        os.chmod(tmp, 0o700)  # the linker gives the umask's mode
+        with open(tmp, "rb") as f:
+            _write_private(digest, hashlib.sha256(f.read()).hexdigest())
+        os.replace(tmp, target)
     finally:
         Path(tmp).unlink(missing_ok=True)
-    return target
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def _verified(target: Path, digest: Path) -> ctypes.CDLL | None:
+    """The library at `target`, loaded from the very file whose bytes were hashed (through
+    /proc/self/fd where there is one, so nothing can be swapped in between), or None when it
+    is not a regular file of the user's own that only they can write, or its sha256 is not the
+    one in `digest`."""
+    expected = _private_text(digest)
+    try:
+        fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # a symlink (ELOOP), or gone
+        return None
+    try:
+        if expected is None or not _private(os.fstat(fd)):
+            return None
+        with os.fdopen(os.dup(fd), "rb") as f:
+            if hashlib.sha256(f.read()).hexdigest() != expected.strip():
+                return None
+        by_fd = f"/proc/self/fd/{fd}"
+        return ctypes.CDLL(by_fd if os.path.exists(by_fd) else str(target))
+    finally:
+        os.close(fd)
+
+
+def _private_text(path: Path) -> str | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd) as f:
+        return f.read() if _private(os.fstat(fd)) else None
+
+
+def _private(st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
 def _cpu_flags() -> str:
