@@ -9,6 +9,7 @@ appears: moemerge compiles its own again, or merges with the torch code and says
 entries (toy sets, converted bases, real expert sets) that others could have written are refused
 by name, before anything is made or read."""
 
+import ast
 import os
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import moemerge
 from moemerge.cache import check_entry, private_dir
 from moemerge.cli import app
 from moemerge.errors import CacheError, Note
@@ -137,8 +139,8 @@ def test_a_kernel_cache_others_can_write_is_not_used(cache, payload, tmp_path, s
             os.chown(path, OTHER_UID, OTHER_UID)
     elif setting == "root world-writable":
         cache.chmod(0o777)
-    with pytest.warns(Note, match="the compiled merge kernel is not used: the cache entry .* is "
-                                  "not used: .*(writable by others|owned by uid)"):
+    with pytest.warns(Note, match="the cache entry .* is not used: .*(writable by others|owned "
+                                  "by uid).* torch code instead of the compiled kernel"):
         assert loaded() is None  # the torch code merges instead
     assert not marker.exists()
 
@@ -206,3 +208,15 @@ def test_the_toy_command_refuses_a_shared_cache_before_any_work(tmp_path, monkey
     text = " ".join(result.output.split())
     assert f"{shared}" in text and "writable by others" in text
     assert not (tmp_path / "out").exists() and list(shared.iterdir()) == []
+
+
+def test_every_path_into_the_cache_is_made_where_reads_are_checked():
+    """cache_root is named only where entries are read through check_entry / private_dir
+    (toy/cache.py's cached_entry, merge/native through private_dir) and by demo's output
+    placement check (which reads nothing)."""
+    package = Path(moemerge.__file__).parent
+    users = {path.relative_to(package).as_posix() for path in package.rglob("*.py")
+             if any(isinstance(node, ast.Name | ast.alias) and
+                    getattr(node, "id", getattr(node, "name", None)) == "cache_root"
+                    for node in ast.walk(ast.parse(path.read_text())))}
+    assert users == {"cache.py", "toy/cache.py", "demo.py"}

@@ -85,8 +85,8 @@ def library() -> ctypes.CDLL | None:
     try:
         lib = _loaded(resolve_program(compiler, "the C compiler ($CC, else cc)"))
     except (CacheError, ToolError, OSError) as exc:
-        warnings.warn(f"the compiled merge kernel is not used: {exc}. Merging with the torch "
-                      "code instead (the same bytes, slower)", Note, stacklevel=2)
+        warnings.warn(f"{exc}. Merging with the torch code instead of the compiled kernel "
+                      "(the same bytes, slower)", Note, stacklevel=2)
         return None
     for name, args in _SIGNATURES.items():
         getattr(lib, name).argtypes = args
