@@ -44,6 +44,7 @@ from moemerge.io.atomic import (
 from moemerge.io.outputs import check_output
 from moemerge.io.paths import check_output_apart
 from moemerge.io.writer import ShardedWriter, overwrite_tensors, parse_size
+from moemerge.loading import check_seq_len, check_tokenizer_fits, vocab_rows
 from moemerge.plan.jobs import Plan
 from moemerge.plan.memory import Estimate, estimate, source_bytes, window_bytes
 from moemerge.plan.params import override_layer_warnings
@@ -73,6 +74,7 @@ from moemerge.tune import (
     tune_recipe,
     tuning_json,
 )
+from moemerge.words import plural
 
 Warn = Callable[[str], None]
 
@@ -108,6 +110,8 @@ class BuildResult:
     whole: object | None = None  # a kind with no plan: what its runner returned (shrink.Shrunk,
     # stages.StagesBuilt); the plan has no jobs
     gguf: Path | None = None  # with options.gguf: the GGUF file written
+    loaded: str | None = None  # with the full check: what loaded ("loaded in transformers as
+    # MixtralForCausalLM, logits finite")
 
 
 def build(
@@ -216,7 +220,7 @@ class _Build:
         with self.stage("planning") as found:  # reading every model's header
             models, plan = open_and_plan(self.recipe, self.source.dir,
                                          allow_pickle=self.options.allow_pickle, stack=stack)
-            found(f"{len(models)} models, {len(plan.jobs)} output tensors, "
+            found(f"{plural(len(models), 'model')}, {plural(len(plan.jobs), 'output tensor')}, "
                   f"{human_bytes(plan.total_bytes)}")
         for message in [*self._override_warnings(models, plan), *plan.notes]:
             self.warn(message)
@@ -237,8 +241,15 @@ class _Build:
                                  allow_non_finite=options.allow_non_finite, warn=self.warn)
         tokenizer_dir = models[kind.tokenizer(recipe)].path
         calibration = None
+        built = f"the output {out}"  # what tuning and calibration run: its positions, its rows
+        if options.tune is not None:
+            check_seq_len(options.tune.seq_len, "--tune-seq-len", plan.config, built)
+        if texts is not None:
+            check_seq_len(recipe.calibration.seq_len, "calibration.seq_len", plan.config, built)
         tokenizer = (load_tokenizer(tokenizer_dir)  # once, for tuning and calibration alike
                      if options.tune is not None or texts is not None else None)
+        if tokenizer is not None:  # before any forward pass
+            check_tokenizer_fits(tokenizer, vocab_rows(plan.config), tokenizer_dir, built)
         if options.tune is not None:  # every check before the first tensor is read
             tunable_jobs(plan)
             check_length(tokenizer, held_out, options.tune)
@@ -287,18 +298,20 @@ class _Build:
                     overwrite_tensors(tmp, routers)
                     if stats:  # what `moemerge extend` refits the routers from
                         keep_statistics(tmp, stats, calibration.ids.shape[0])
-                    found(f"{len(routers)} routers")
+                    found(plural(len(routers), "router"))
             full = options.verify == "full" or (options.verify == "auto"
                                                 and plan.total_bytes <= FULL_LOAD_LIMIT)
+            loaded = None
             if full:
-                with self.stage("checking that the output loads in transformers"):
-                    check_loads(tmp)
+                with self.stage("checking the output") as found:
+                    found(loaded := check_loads(tmp, finite=not options.allow_non_finite))
         written = None
         if converter is not None:
             timeout = options.gguf_timeout or default_timeout(out)
             with self.stage("writing the GGUF"):
                 written = write_gguf(out, options.gguf, converter, timeout)
-        return BuildResult(plan, out, "full" if full else "structure", tuning, gguf=written)
+        return BuildResult(plan, out, "full" if full else "structure", tuning, gguf=written,
+                           loaded=loaded)
 
     def _finish(self, dest: Path, plan: Plan, recipe: AnyRecipe, recipe_text: str,
                 tokenizer_dir: Path) -> None:
@@ -310,7 +323,7 @@ class _Build:
         if self.kind.remote_code or "auto_map" in plan.config:  # (a DeepSeek-MoE layout)
             copy_modeling_code(dest)
         (dest / RECIPE_COPY).write_text(recipe_text)
-        (dest / "README.md").write_text(model_card(recipe, plan, recipe_text))
+        (dest / "README.md").write_text(model_card(recipe, plan, recipe_text, self.source.dir))
         check_structure(dest, plan)
 
     def _run_whole(self, out: Path | None) -> BuildResult:

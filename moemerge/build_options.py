@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
 
+from moemerge.bounds import MAX_SEQ_LEN, MAX_TOKENS
 from moemerge.errors import RecipeError
 
 Verify = Literal["auto", "full", "structure"]
@@ -49,8 +50,9 @@ class TuneOptions:
                              description="Lambdas tried per role, comma-separated.")
     densities: Numbers = Field((0.5, 0.7, 0.9), description=(
         "Densities tried per role, comma-separated (for methods with a density)."))
-    max_tokens: int = Field(8192, description="Tokens of the held-out text scored per candidate.")
-    seq_len: int = Field(64, description="Window length when scoring.")
+    max_tokens: int = Field(8192, le=MAX_TOKENS, description="Tokens of the held-out text "
+                            "scored per candidate.")
+    seq_len: int = Field(64, le=MAX_SEQ_LEN, description="Window length when scoring.")
 
 
 class BuildOptions(BaseModel):

@@ -124,7 +124,7 @@ def run_demo(workdir: Path, *, preset_name: str = "demo", console: Console | Non
     for output, recipe_name in RECIPES.items():
         recipe = workdir / recipe_name
         shutil.copyfile(bundled_recipe(recipe_name), recipe)
-        build(recipe, workdir / output, force=True, progress=console.is_terminal)
+        build(recipe, workdir / output, force=True)  # progress: bars, or lines in a pipe
         built[output] = workdir / output
         console.print(f"  built {workdir / output} from {recipe_name}")
     console.print(f"[bold]3/3[/] perplexity on held-out text of each domain (lower is better; "

@@ -12,9 +12,10 @@ deeper layers fitted on the old model's hidden states for the old text), or, wit
 Where the recipe's merge of the shared (non-FFN) tensors reads every expert, they are merged
 again with the new experts by build's planner and executor (finish/extend/remerge.py) unless
 `keep_shared`; every hidden state then changes, so calibrated routers are calibrated again on
-all the text. Each new expert is checked against the recipe copy's base where it is at hand
-(finish/extend/same_base.py). The output is written under the output rule (atomic, --force)
-with a recipe copy that rebuilds it from scratch.
+all the text. Each new expert is checked against the MoE's shapes and the recipe copy's base
+where it is at hand (finish/extend/same_base.py) before --calibration or --recalibrate is asked
+for: an expert of another base is the first thing to hear of. The output is written under the
+output rule (atomic, --force) with a recipe copy that rebuilds it from scratch.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from moemerge.finish.extend.recipe import (
     loss_targets_error,
     new_experts,
     recipe_copy,
+    with_texts,
 )
 from moemerge.finish.extend.remerge import Remerge, plan_remerge
 from moemerge.finish.extend.same_base import check_same_base, local_base
@@ -53,8 +55,9 @@ from moemerge.io.atomic import RECIPE_COPY, SIDE_FILES, atomic_output_dir, copy_
 from moemerge.io.paths import check_output_apart
 from moemerge.io.reader import CheckpointReader, read_config
 from moemerge.io.writer import ShardedWriter, finite, overwrite_tensors, parse_size
+from moemerge.loading import check_seq_len, check_tokenizer_fits, vocab_rows
 from moemerge.modeling import is_merged_experts, is_sequence_routed
-from moemerge.plan.sources import open_sources, resolve_ref
+from moemerge.plan.sources import SourceModel, open_sources, resolve_ref
 from moemerge.recipe.kinds import labelled_refs
 from moemerge.recipe.models import ModelRef
 from moemerge.routing.calibrate import Calibration, calibrate_token_routers
@@ -73,6 +76,7 @@ from moemerge.routing.statistics import (
     save_statistics,
 )
 from moemerge.train.export import TRAINING_DIR
+from moemerge.words import plural
 
 __all__ = ["Extended", "extend_moe"]
 
@@ -112,16 +116,19 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
     stored, windows = (None, 0) if calibrating else _stored_statistics(
         moe, config, layout.num_experts_key)
     old = expert_labels(moe, int(config[layout.num_experts_key]))
-    new = new_experts(experts, names, calibration, old)
+    new = new_experts(experts, names, old)
     labels = [SimpleNamespace(label=name) for name in [*old, *(e.name for e in new)]]
-    recipe_text = extended_recipe_text(data, new, keep_shared) + STATS_NOTE
     grown = dict(config, **{layout.num_experts_key: len(labels)})
     with CheckpointReader(moe) as reader, ExitStack() as stack:
         readers = [stack.enter_context(CheckpointReader(e.path)) for e in new]
         for e, r in zip(new, readers, strict=True):
             check_expert(reader, layout, config, r, f"--expert {e.path}")
+        checked = _check_same_base(local_base(recipe, moe, stack), out, new, readers)
+        new = with_texts(new, calibration)  # asked for once the experts are known to fit
+        recipe_text = extended_recipe_text(data, new, keep_shared) + STATS_NOTE
         remerge = _shared_inputs(data, new, moe, out, remerging, stack)
-        _check_same_base(recipe, moe, out, remerge, new, readers, stack)
+        if remerge is not None and not checked:  # a base the re-merge found, not a local one
+            _check_same_base(remerge.base, out, new, readers)
         cal = _calibration(moe, recipe, new, labels, old_text=calibrating, remerge=remerge)
         tensors = extended_tensors(reader, layout, config, readers)
         if remerge is not None:
@@ -152,16 +159,17 @@ def _shared_inputs(data: dict, new: list[NewExpert], moe: Path, out: Path, remer
     return remerge
 
 
-def _check_same_base(recipe, moe: Path, out: Path, remerge: Remerge | None,
-                     new: list[NewExpert], readers: list[CheckpointReader],
-                     stack: ExitStack) -> None:
-    """Each new expert against the recipe copy's base where it is at hand (else no check); OUT
-    apart from that base (the output rule)."""
-    base = remerge.base if remerge is not None else local_base(recipe, moe, stack)
-    if base is not None:
-        check_output_apart(out, [("the base", base.path)])
-        for e, r in zip(new, readers, strict=True):
-            check_same_base(base, r, f"--expert {e.path}")
+def _check_same_base(base: SourceModel | None, out: Path, new: list[NewExpert],
+                     readers: list[CheckpointReader]) -> bool:
+    """Each new expert against the recipe copy's base where it is at hand (else no check: the
+    return is False); OUT apart from that base (the output rule). Run before anything asks for
+    --calibration or --recalibrate: an expert of another base is the problem to name first."""
+    if base is None:
+        return False
+    check_output_apart(out, [("the base", base.path)])
+    for e, r in zip(new, readers, strict=True):
+        check_same_base(base, r, f"--expert {e.path}")
+    return True
 
 
 def _remerged(changing: list[str], remerge: Remerge | None) -> str:
@@ -206,14 +214,8 @@ def _extend_assembly(moe: Path, out: Path, experts: list[Path], config: dict, *,
     changing = kind.changing(recipe)
     remerging = bool(changing) and not keep_shared
     calibrated = calibrates(recipe)
-    if calibrated and not (recalibrate or remerging):
-        raise CheckpointError(f"{moe}: its router was calibrated, and `build` keeps no router "
-                              f"statistics for {config.get('assembly')} models: pass "
-                              "--recalibrate (all the calibration text of the recipe copy, "
-                              "which must still exist, and the new experts' texts, calibrated "
-                              "again as build does)")
     old = list(config["expert_names"])
-    new = new_experts(experts, names, calibration, old, need_text=calibrated)
+    new = new_experts(experts, names, old)
     labels = [SimpleNamespace(label=name) for name in [*old, *(e.name for e in new)]]
     with CheckpointReader(moe) as reader, ExitStack() as stack:
         sources = open_sources([(e.name, ModelRef(model=str(e.path))) for e in new], None,
@@ -224,8 +226,18 @@ def _extend_assembly(moe: Path, out: Path, experts: list[Path], config: dict, *,
             made = kind.new_expert_jobs(recipe, config, k, source, index)
             kind.check_expert(reader, config, source, made, index, f"--expert {e.path}")
             jobs += made
+        readers = [s.reader for s in sources]
+        checked = _check_same_base(local_base(recipe, moe, stack), out, new, readers)
+        if calibrated and not (recalibrate or remerging):
+            raise CheckpointError(f"{moe}: its router was calibrated, and `build` keeps no "
+                                  f"router statistics for {config.get('assembly')} models: "
+                                  "pass --recalibrate (all the calibration text of the recipe "
+                                  "copy, which must still exist, and the new experts' texts, "
+                                  "calibrated again as build does)")
+        new = with_texts(new, calibration, need_text=calibrated)
         remerge = _shared_inputs(data, new, moe, out, remerging, stack)
-        _check_same_base(recipe, moe, out, remerge, new, [s.reader for s in sources], stack)
+        if remerge is not None and not checked:  # a base the re-merge found, not a local one
+            _check_same_base(remerge.base, out, new, readers)
         cal = (_calibration(moe, recipe, new, labels, old_text=True, remerge=remerge)
                if calibrated else None)
         grown = kind.grown_config(config, sources, [e.name for e in new])
@@ -282,7 +294,11 @@ def _calibration(moe: Path, recipe, new: list[NewExpert], labels: list, *, old_t
             raise RecipeError(f"{moe / RECIPE_COPY}: {exc}: --recalibrate reads the build's "
                               "calibration text again; restore it there, or extend without "
                               "--recalibrate (refit from the stored statistics)") from None
-    tokenizer = load_tokenizer(_build_tokenizer(moe, recipe, remerge))
+    config = read_config(moe)  # the extended MoE's: its embedding and positions are MOE's
+    check_seq_len(spec.seq_len, f"{moe / RECIPE_COPY}: calibration.seq_len", config, moe)
+    where = _build_tokenizer(moe, recipe, remerge)
+    tokenizer = load_tokenizer(where)
+    check_tokenizer_fits(tokenizer, vocab_rows(config), where, moe)  # before any forward pass
     return calibration_set(spec, texts, tokenizer, labels)
 
 
@@ -324,9 +340,9 @@ def _stored_statistics(moe: Path, config: dict, count_key: str):
     experts, layers = int(config[count_key]), int(config["num_hidden_layers"])
     if sorted(stored) != list(range(layers)) or any(s.experts != experts
                                                     for s in stored.values()):
-        raise CheckpointError(f"{file}: statistics for {len(stored)} layers and "
-                              f"{stored[0].experts if stored else 0} experts, the model has "
-                              f"{layers} and {experts}; {REBUILD}")
+        raise CheckpointError(f"{file}: statistics for {plural(len(stored), 'layer')} and "
+                              f"{plural(stored[0].experts if stored else 0, 'expert')}, the "
+                              f"model has {layers} and {experts}; {REBUILD}")
     targets = stored[0].fit.targets
     if bool((targets - targets.diag().diag()).abs().max() > 0):  # YᵀY of one-hot is diagonal
         raise loss_targets_error(moe)

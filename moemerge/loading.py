@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from moemerge.errors import CheckpointError, RecipeError
+from moemerge.errors import CheckpointError, MismatchError, RecipeError
 from moemerge.io.atomic import RECIPE_COPY
 from moemerge.io.paths import confined
 from moemerge.io.reader import check_model_dir_confined
@@ -63,7 +63,66 @@ def load_causal_lm(path, *, what: str = "a causal LM", trust_remote_code: bool =
         tokenizer = load_pretrained("AutoTokenizer", path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"cannot load {what} and its tokenizer from {path}: {exc}") from None
+    check_tokenizer_fits(tokenizer, vocab_rows(model), path, path)
     return model, tokenizer
+
+
+def vocab_rows(model) -> int | None:
+    """The rows of a model's input embedding: a loaded model's own, else its config's
+    `vocab_size` (a config.json dict or a transformers config; a multimodal config's
+    `text_config`'s); None where neither says."""
+    embed = None
+    if hasattr(model, "get_input_embeddings"):
+        try:
+            embed = model.get_input_embeddings()
+        except (NotImplementedError, AttributeError):
+            embed = None
+    weight = getattr(embed, "weight", None)
+    if weight is not None and getattr(weight, "ndim", 0) == 2:
+        return int(weight.shape[0])
+    config = getattr(model, "config", model)
+    for part in (config, _get(config, "text_config")):
+        rows = _get(part, "vocab_size")
+        if isinstance(rows, int) and not isinstance(rows, bool) and rows > 0:
+            return rows
+    return None
+
+
+def _get(config, key: str):
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+
+def check_tokenizer_fits(tokenizer, rows: int | None, tokenizer_dir, model) -> None:
+    """Before any text is tokenized for `model`: every id the tokenizer can give (its added
+    tokens' included) indexes a row of the model's embedding, `rows` (vocab_size);
+    MismatchError naming the tokenizer's directory, its size and largest id and the rows
+    otherwise (the first such token would make torch.embedding raise a bare IndexError in
+    the middle of a forward pass). Nothing to check where `rows` is unknown."""
+    if rows is None:
+        return
+    size = len(tokenizer)
+    largest = max(tokenizer.get_vocab().values(), default=size - 1)
+    if max(largest, size - 1) >= rows:
+        own = str(tokenizer_dir) == str(model)
+        where = (f"{model}: its tokenizer" if own else f"the tokenizer in {tokenizer_dir}")
+        raise MismatchError(
+            f"{where} has {size:,} tokens (largest id {largest:,}), but "
+            f"{'its' if own else f'the embedding of {model}'}{' embedding' if own else ''} has "
+            f"{rows:,} rows (vocab_size): ids from {rows:,} on cannot be embedded. Use the "
+            "tokenizer saved with the model, or a model whose vocab_size covers the tokenizer")
+
+
+def check_seq_len(length: int, option: str, model_config, model) -> None:
+    """`length` tokens at once (a window, a block, a prompt) fit `model`'s positions: at most
+    its config's max_position_embeddings where it has one (MAX_SEQ_LEN bounds it anyway, in
+    each option's own check); RecipeError naming the option and the bound otherwise."""
+    positions = _get(model_config, "max_position_embeddings")
+    if positions is None:
+        positions = _get(_get(model_config, "text_config") or {}, "max_position_embeddings")
+    if isinstance(positions, int) and not isinstance(positions, bool) and 0 < positions < length:
+        raise RecipeError(f"{option}: {length:,} tokens at once, more than the "
+                          f"{positions:,} positions of {model} (max_position_embeddings); "
+                          f"give at most {positions:,}")
 
 
 def read_recipe_copy(model_dir: Path | str) -> dict:

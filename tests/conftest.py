@@ -111,19 +111,63 @@ def model_factory(tmp_path_factory, tokenizer):
     return make
 
 
+# the user's own cache, as the suite found it: never read or written by the tests
+USERS_CACHE = os.environ.get("MOEMERGE_CACHE")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def moemerge_cache(tmp_path_factory):
-    """Where the toy experts are cached for this run: $MOEMERGE_CACHE when it is set (CI's
-    scratch, a cache shared between runs), else a temporary directory of this session; never
-    the user's ~/.cache/moemerge."""
-    import os
-
-    before = os.environ.get("MOEMERGE_CACHE")
-    if not before:
-        os.environ["MOEMERGE_CACHE"] = str(tmp_path_factory.mktemp("moemerge-cache"))
-    yield Path(os.environ["MOEMERGE_CACHE"])
-    if not before:
+    """moemerge's cache (the toy experts, the compiled kernel) while the tests run: the suite's
+    own, never the user's $MOEMERGE_CACHE or ~/.cache/moemerge. $MOEMERGE_TEST_CACHE when it
+    is set (CI keeps one between its runs), else a temporary directory of this session."""
+    shared = os.environ.get("MOEMERGE_TEST_CACHE")
+    if shared:
+        Path(shared).mkdir(mode=0o700, parents=True, exist_ok=True)
+    root = Path(shared) if shared else tmp_path_factory.mktemp("moemerge-cache")
+    os.environ["MOEMERGE_CACHE"] = str(root)  # subprocesses of the tests inherit it
+    yield root
+    if USERS_CACHE is None:
         del os.environ["MOEMERGE_CACHE"]
+    else:
+        os.environ["MOEMERGE_CACHE"] = USERS_CACHE
+
+
+def llama_cpp_note(expected: bool = True):
+    """moemerge's warning that llama.cpp computes another model than transformers for the
+    output's layout (plan/shared_expert.downstream_notes: qwen2_moe and deepseek with top-k of
+    more experts, deepseek with top-1): asserted where the test builds such an output, nothing
+    expected elsewhere."""
+    import contextlib
+
+    return (pytest.warns(UserWarning, match=r"llama\.cpp") if expected
+            else contextlib.nullcontext())
+
+
+def llama_cpp_differs(config: dict) -> bool:
+    """Whether an MoE of this config.json gets that note: qwen2_moe and deepseek route top-k of
+    more experts without llama.cpp renormalising it, and deepseek scales a top-1 expert by its
+    routing weight."""
+    kind, k = config.get("model_type"), config.get("num_experts_per_tok")
+    n = config.get("num_experts") or config.get("n_routed_experts")
+    return kind in ("qwen2_moe", "deepseek") and (k < n or (kind == "deepseek" and k == 1))
+
+
+def build_noting(recipe, out, **options):
+    """`moemerge.api.build` with its warnings collected (the `warn` callback) and checked: the
+    llama.cpp note where the output's layout has it (llama_cpp_differs), none elsewhere. For
+    the helpers that build outputs of any layout."""
+    import json
+
+    from moemerge.api import build
+
+    notes: list[str] = []
+    result = build(recipe, out, warn=notes.append, **options)
+    config = json.loads((Path(out) / "config.json").read_text())
+    if llama_cpp_differs(config):
+        assert notes and all("llama.cpp" in note for note in notes), notes
+    else:
+        assert not notes, notes
+    return result
 
 
 @pytest.fixture(scope="session")

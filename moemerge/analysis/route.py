@@ -11,9 +11,11 @@ from pathlib import Path
 import torch
 
 from moemerge.analysis.routing import expert_labels, load_moe
+from moemerge.bounds import MAX_EXPERTS  # the most a recipe may build
 from moemerge.data import Split, read_domains
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.io.reader import read_config
+from moemerge.loading import check_seq_len
 from moemerge.modeling import is_sequence_routed
 from moemerge.modeling.routing_moemerge import sequence_nll
 
@@ -51,8 +53,6 @@ def read_prompts(files: list[Path | str], *, split: Split, text_field: str) -> l
     return [doc for d in domains.values() for doc in d.documents + d.held_out if doc.strip()]
 
 
-MAX_EXPERTS = 1024
-
 
 def check_sequence_config(config: dict, file: Path) -> None:
     """The keys of a sequence-routed config that route reads itself: `experts`, a list of
@@ -89,6 +89,7 @@ def route_prompts(model_dir: Path, prompts: list[str], *, router: str | None = N
     if router == "task_vector" and not config.get("base"):
         raise RecipeError(f"--router task_vector: {model_dir} does not keep the base model it "
                           "needs; build it with router kind task_vector")
+    check_seq_len(max_tokens, "--max-tokens", config, model_dir)  # before any weights
     model, tokenizer = load_moe(model_dir, **overrides)
     model.eval()
     labels = expert_labels(model_dir, model.config.num_experts)

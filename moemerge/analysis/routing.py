@@ -32,7 +32,12 @@ from moemerge.data import domain_texts
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.eval.perplexity import perplexity, window_counts
 from moemerge.io.reader import read_config
-from moemerge.loading import load_causal_lm, load_pretrained, read_recipe_copy
+from moemerge.loading import (
+    check_seq_len,
+    load_causal_lm,
+    load_pretrained,
+    read_recipe_copy,
+)
 from moemerge.modeling import is_merged_experts, is_sequence_routed
 from moemerge.routing.modules import find_routers
 
@@ -244,6 +249,7 @@ def routing_report_from_dir(
     model_dir = Path(model_dir)
     texts = domain_texts(data, label_field=label_field, text_field=text_field)
     model, tokenizer = load_moe(model_dir)
+    check_seq_len(seq_len, "--seq-len", model.config, model_dir)
     labels = expert_labels(model_dir, moe_shape(model.config, str(model_dir))[0])
     return routing_report(model, tokenizer, texts, seq_len=seq_len, max_tokens=max_tokens,
                           labels=labels, name=str(model_dir))

@@ -9,6 +9,7 @@ from rich.markup import escape
 from moemerge.analysis.routing import RoutingReport
 from moemerge.eval.perplexity import windows_note
 from moemerge.tables import Column, Fitted
+from moemerge.words import plural
 
 
 def _shares(values: list[float]) -> list[str]:
@@ -48,7 +49,7 @@ def _experts(report: RoutingReport) -> list[Column]:
 def summary_table(report: RoutingReport) -> Fitted:
     """Rows = domains; columns = each expert's share averaged over layers, tokens, perplexity
     (as many tables as the console's width needs, none cutting a number)."""
-    over = f", mean over {len(report.layers)} layers" if _layered(report) else ""
+    over = f", mean over {plural(len(report.layers), 'layer')}" if _layered(report) else ""
     columns = [Column("domain", "left", key=True), *_experts(report),
                Column(_units(report)), Column("perplexity")]
     rows = [[escape(name), *_shares(d.mean_share), str(d.tokens), f"{d.perplexity:.2f}"]
@@ -69,8 +70,14 @@ def layer_table(report: RoutingReport) -> Fitted:
 
 
 def plot(report: RoutingReport, path: Path) -> None:
+    """The routing figure (`figure`) as a PNG."""
+    figure(report).savefig(path, dpi=120)
+
+
+def figure(report: RoutingReport):
     """Left: grouped bars of each domain's mean share per expert (as MergeME's Fig. 5), with
-    the uniform share dashed. Then one heatmap per domain: rows layers, columns experts."""
+    the uniform share dashed, the domains' legend beside them (inside, it hid a bar). Then one
+    heatmap per domain: rows layers, columns experts."""
     from matplotlib.figure import Figure  # no pyplot: no global backend; PNG goes through Agg
 
     labels, layers, domains = report.labels, report.layers, list(report.domains)
@@ -89,7 +96,8 @@ def plot(report: RoutingReport, path: Path) -> None:
     bars.set_xlabel("expert", fontsize=8)
     bars.set_ylabel(_measure(report) + (" (mean over layers)" if _layered(report) else ""),
                     fontsize=8)
-    bars.legend(fontsize=7, title="domain", title_fontsize=7)
+    bars.legend(fontsize=7, title="domain", title_fontsize=7, loc="upper left",
+                bbox_to_anchor=(1.0, 1.0))  # outside the axes: it covers no bar
     image = None
     for ax, name in zip(axes[1:], domains, strict=True):
         grid = report.domains[name].share  # [layer, expert]
@@ -107,4 +115,4 @@ def plot(report: RoutingReport, path: Path) -> None:
         axes[1].set_ylabel("layer" if _layered(report) else "", fontsize=8)
         fig.colorbar(image, ax=list(axes[1:]), label=_measure(report), shrink=0.9)
     fig.suptitle(f"{_describe(report)} — {report.model}", fontsize=8)
-    fig.savefig(path, dpi=120)
+    return fig

@@ -22,7 +22,7 @@ from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
 from moemerge import __version__
-from moemerge.errors import MoemergeError, Note, Terminated
+from moemerge.errors import MoemergeError, Note, RecipeError, Terminated
 
 
 def clickish(command) -> None:
@@ -135,6 +135,13 @@ def reports_errors(command: Callable) -> Callable:
             warnings.showwarning = shown
 
     return run
+
+
+def at_most(option: str, value: int, bound: int, what: str) -> None:
+    """A length or count option past its bound (moemerge/bounds.py) is a usage error naming
+    the bound, before any work."""
+    if value > bound:
+        raise RecipeError(f"{option}: {value:,} {what}; at most {bound:,}")
 
 
 def _show_note(otherwise, message, category, *args, **kwargs) -> None:

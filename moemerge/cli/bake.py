@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from moemerge.cli.app import app, out, reports_errors
+from moemerge.words import plural
 
 
 @reports_errors
@@ -22,14 +23,15 @@ def bake(
 ) -> None:
     """Fold the curvature into the experts, E'_i = E_m + M_i τ_i, and write a model that
     computes the same outputs with no curvature matrices (config curvature: none)."""
-    from moemerge.finish.bake import bake_curvature
     from moemerge.io.atomic import sweep_output
     from moemerge.io.outputs import check_output
 
     sweep_output(output)  # what a killed bake left, even if this one fails
     check_output(output, [("the input model", model)], force=force, directory=True)
+    from moemerge.finish.bake import bake_curvature  # torch: after the checks that need none
     baked = bake_curvature(model, output, force=force)
-    out.print(f"[green]baked[/] {output}: curvature folded into {len(baked)} expert tensors")
+    out.print(f"[green]baked[/] {output}: curvature folded into "
+              f"{plural(len(baked), 'expert tensor')}")
 
 
 app.command("bake")(bake)

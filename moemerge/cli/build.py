@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,6 +11,7 @@ from rich.markup import escape
 from moemerge.build_options import BuildOptions, TuneOptions, build_options, tune_options
 from moemerge.cli.app import app, err, out, reports_errors
 from moemerge.merge.registry import METHOD_SPECS
+from moemerge.words import plural
 
 # from the registry: what --tune-on may vary
 TUNABLE = [m.name for m in METHOD_SPECS if "lambda" in m.tunable]
@@ -49,8 +49,8 @@ def build(
     allow_pickle: Annotated[bool, Option("allow_pickle", "--allow-pickle")] = False,
     verify: Annotated[str, Option("verify")] = D["verify"],
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress: only warnings, "
-                                        "errors and the result (progress goes to stderr, and "
-                                        "only to a terminal).")] = False,
+                                        "errors and the result (progress goes to stderr: bars "
+                                        "on a terminal, plain lines otherwise).")] = False,
     tune_on: Annotated[
         Optional[Path],  # noqa: UP045
         Option("text", "--tune-on", model=TuneOptions, show_default=False,
@@ -81,10 +81,7 @@ def build(
     from moemerge.errors import RecipeError
     from moemerge.progress import Stages
 
-    progress = not quiet and sys.stderr.isatty()
-    with Stages(progress)("loading torch and transformers"):
-        from moemerge.api import build_file
-
+    # usage first: a mistake is said at once, not after the seconds torch takes to import
     if output is None and not dry_run:
         raise RecipeError("OUTPUT: missing; give an output directory, or --dry-run")
     tune = None if tune_on is None else tune_options(
@@ -94,6 +91,10 @@ def build(
         dry_run=dry_run, force=force, allow_pickle=allow_pickle, verify=verify, strict=strict,
         allow_non_finite=allow_non_finite, workers=workers, lookahead=lookahead, device=device,
         tune=tune, gguf=gguf, llama_cpp=llama_cpp, gguf_timeout=gguf_timeout)
+    progress = not quiet
+    with Stages(progress)("loading torch and transformers"):
+        from moemerge.api import build_file
+
     result = build_file(recipe, output, options, progress=progress, warn=_print_warning,
                         on_candidate=None if quiet else _print_candidate)
     if result.tuning is not None:
@@ -115,15 +116,32 @@ def build(
     if result.whole is not None:  # a kind with no plan: its runner says what it made
         out.print(f"[green]{result.whole.verb}[/] {escape(str(output))}: "
                   f"{escape(result.whole.summary())}")
+        _say_remote_code(output)
         return
     size = result.plan.total_bytes / 2**20
+    checked = result.loaded or result.verified  # "loaded in transformers as ..., logits finite"
     out.print(
-        f"[green]built[/] {escape(str(output))} ({len(result.plan.jobs)} tensors, {size:.1f} MiB; "
-        f"output check: {result.verified})"
+        f"[green]built[/] {escape(str(output))} ({plural(len(result.plan.jobs), 'tensor')}, "
+        f"{size:.1f} MiB; output check: {checked})", highlight=False
     )
+    _say_remote_code(output)
     if result.gguf is not None:
         out.print(f"[green]wrote[/] {escape(str(result.gguf))} "
                   f"({result.gguf.stat().st_size / 2**20:.1f} MiB)")
+
+
+def _say_remote_code(output: Path) -> None:
+    """Where the output runs modeling code of its own (seq_routed, bridged, merged_experts, a
+    DeepSeek layout), how to load it: a plain from_pretrained refuses it."""
+    import json
+
+    from moemerge.finish.remote_code import load_call, needs_remote_code
+
+    config = output / "config.json"
+    if config.is_file() and needs_remote_code(json.loads(config.read_text())):
+        out.print(f"load it with {load_call(repr(str(output)))}: its modeling code, beside the "
+                  "weights, is a copy of moemerge's", markup=False, highlight=False,
+                  soft_wrap=True)  # one line: the call is copied whole
 
 
 def _print_warning(message: str) -> None:
@@ -141,7 +159,9 @@ def _print_candidate(c) -> None:
 def validate(
     recipes: Annotated[list[Path], typer.Argument(help="One or more recipe files.")],
 ) -> None:
-    """Check recipes without reading any model: reports every error at once (exit 2 if any)."""
+    """Check recipes without reading any model: every mistake at once, each with its line and
+    column, and local model paths that do not exist (hub ids are not checked: that needs the
+    network). Exit 2 if any recipe has one."""
     from moemerge.errors import RecipeError
     from moemerge.recipe.load import load_recipe
 
@@ -149,10 +169,45 @@ def validate(
     for path in recipes:
         try:
             recipe = load_recipe(path)
+            problems, hub = _input_problems(recipe, path)
+            if problems:
+                raise RecipeError(f"{path}: " + ("1 problem" if len(problems) == 1 else
+                                                 f"{len(problems)} problems") + ":\n"
+                                  + "\n".join(f"  - {p}" for p in problems))
         except RecipeError as exc:
             failed += 1
             err.print(f"[bold red]invalid:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         else:
-            out.print(f"[green]ok[/] {escape(str(path))} (kind: {recipe.kind})")
+            unchecked = (f"; hub ids, not checked (that needs the network): {', '.join(hub)}"
+                         if hub else "")
+            out.print(f"[green]ok[/] {escape(str(path))} (kind: {recipe.kind}{escape(unchecked)})")
     if failed:
         raise typer.Exit(2)
+
+
+def _input_problems(recipe, path: Path) -> tuple[list[str], list[str]]:
+    """(what `build` would refuse before reading any weights: local model directories that do
+    not exist, an unknown output layout; the hub ids, which only the hub can check)."""
+    from moemerge.architectures.tables import moe_layouts
+    from moemerge.io.resolve import looks_like_path
+    from moemerge.recipe.diagnose import did_you_mean
+    from moemerge.recipe.kinds import labelled_refs
+
+    near = Path(path).resolve().parent
+    problems, hub = [], []
+    for label, ref in labelled_refs(recipe):
+        places = [near / ref.model, Path(ref.model).expanduser()]
+        if any(p.is_dir() for p in places):
+            continue
+        if not looks_like_path(ref.model, (near,)):
+            hub.append(ref.model)
+        elif any(p.exists() for p in places):
+            problems.append(f"model {label}: {ref.model} is a file; a model is a directory")
+        else:
+            problems.append(f"model {label}: no directory {ref.model} (looked next to the "
+                            f"recipe, in {near}, and in the working directory)")
+    layout = getattr(recipe, "layout", None)
+    if layout is not None and layout not in moe_layouts():
+        problems.append(f"layout: {layout!r} is not one of {', '.join(moe_layouts())}"
+                        f"{did_you_mean(layout, list(moe_layouts()))}")
+    return problems, hub

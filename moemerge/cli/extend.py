@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from moemerge.cli.app import app, out, reports_errors
+from moemerge.words import plural
 
 
 @app.command()
@@ -67,7 +68,6 @@ def extend(
     keeps them as built. A new expert not fine-tuned from the MoE's base is refused. OUTPUT
     gets a recipe copy with the new experts appended, which `moemerge build` rebuilds from
     scratch (docs/extend.md)."""
-    from moemerge.extend import extend_moe
     from moemerge.io.atomic import sweep_output
     from moemerge.io.outputs import check_output, local_inputs
 
@@ -75,10 +75,11 @@ def extend(
     inputs = [("the input model", model), *local_inputs("an --expert model", expert),
               *local_inputs("a --calibration text", calibration or [])]
     check_output(output, inputs, force=force, directory=True)
+    from moemerge.extend import extend_moe  # torch: after the checks that need none
     done = extend_moe(model, output, expert, names=name, calibration=calibration,
                       keep_shared=keep_shared, recalibrate=recalibrate, force=force)
     out.print(f"[green]extended[/] {model} to {output}: experts {', '.join(done.experts)}; "
-              f"{done.tensors} tensors, {done.bytes / 2**20:.1f} MiB")
+              f"{plural(done.tensors, 'tensor')}, {done.bytes / 2**20:.1f} MiB")
     for note in done.notes:
         out.print(f"[yellow]note:[/] {note}", highlight=False)
     if done.remerged:  # the default where the merge reads every expert: say what it did

@@ -37,12 +37,12 @@ def extract(
     with (its own, or the shared ones). merged_experts: every FFN merged at the scores of that
     expert alone (one-hot) or at --weights. The tokenizer files are copied and a README.md
     says where the model came from."""
-    from moemerge.finish.extract import extract_expert
     from moemerge.io.atomic import sweep_output
     from moemerge.io.outputs import check_output
 
     sweep_output(output)  # what a killed extract left, even if this one fails
     check_output(output, [("the input model", model)], force=force, directory=True)
+    from moemerge.finish.extract import extract_expert  # torch: after the checks that need none
     done = extract_expert(model, output, expert=expert, weights=weights, force=force)
     out.print(f"[green]extracted[/] {done.label} ({done.kind}) to {output}: {done.tensors} "
               f"tensors, {done.bytes / 2**20:.1f} MiB")

@@ -52,11 +52,8 @@ MODEL_KEYS = ("model", "base_model", "source_model")  # where mergekit configs n
 
 
 def _models(data) -> list[str]:
-    """The model references in a loaded mergekit config (any depth)."""
-    if isinstance(data, dict):
-        return [*(v for k, v in data.items() if k in MODEL_KEYS and isinstance(v, str)
-                  and 0 < len(v) < 4096),
-                *(s for v in data.values() for s in _models(v))]
-    if isinstance(data, list):
-        return [s for v in data for s in _models(v)]
-    return []
+    """The model references in a loaded mergekit config (any depth, walked with its own
+    stack)."""
+    from moemerge.recipe.tree import strings
+
+    return [v for k, v in strings(data) if k in MODEL_KEYS and 0 < len(v) < 4096]

@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from moemerge.cli.app import App, Group, app, err, out, reports_errors
+from moemerge.bounds import MAX_SEQ_LEN, MAX_TOKENS
+from moemerge.cli.app import App, Group, app, at_most, err, out, reports_errors
 from moemerge.io.outputs import local_inputs
 
 JsonOption = Annotated[
@@ -93,21 +94,19 @@ def task_vectors(
     them (docs/inspect.md)."""
     import json
 
+    from moemerge.errors import RecipeError
+
+    models = models or []  # the usage first, before torch is imported
+    if recipe is not None and models:
+        raise RecipeError("give either BASE EXPERT... or --recipe, not both")
+    if recipe is None and len(models) < 2:
+        raise RecipeError("give BASE and at least one EXPERT (or --recipe RECIPE)")
     from moemerge.analysis import recipe_models, task_vector_report, verdict
     from moemerge.analysis.render import markdown as to_markdown
     from moemerge.analysis.render import plot as plot_png
     from moemerge.analysis.render import tables, to_dict
-    from moemerge.errors import RecipeError
 
-    models = models or []
-    if recipe is not None:
-        if models:
-            raise RecipeError("give either BASE EXPERT... or --recipe, not both")
-        base, experts = recipe_models(recipe)
-    elif len(models) < 2:
-        raise RecipeError("give BASE and at least one EXPERT (or --recipe RECIPE)")
-    else:
-        base, experts = models[0], models[1:]
+    base, experts = recipe_models(recipe) if recipe is not None else (models[0], models[1:])
     if plot is not None and len(experts) < 2:
         raise RecipeError("--plot: cosine heatmaps need at least two experts")
     near = [recipe.parent] if recipe is not None else []
@@ -152,12 +151,15 @@ def routing(
 ) -> None:
     """Routing report: route each domain's text through the built MoE MODEL and report each
     expert's share of its tokens per layer, and the perplexity (docs/inspect.md)."""
+    at_most("--seq-len", seq_len, MAX_SEQ_LEN, "tokens per window")
+    at_most("--max-tokens", max_tokens, MAX_TOKENS, "tokens per domain")
+    inputs = [("the input model", model), *local_inputs("--data", data)]
+    files = ReportFiles(inputs, force, json=json_path, plot=plot)
+    # torch: after the usage checks
     from moemerge.analysis.routing import routing_report_from_dir
     from moemerge.analysis.routing_render import layer_table, summary_table
     from moemerge.analysis.routing_render import plot as plot_png
 
-    inputs = [("the input model", model), *local_inputs("--data", data)]
-    files = ReportFiles(inputs, force, json=json_path, plot=plot)
     report = routing_report_from_dir(model, data, label_field=label_field,
                                      text_field=text_field, seq_len=seq_len,
                                      max_tokens=max_tokens)

@@ -24,16 +24,14 @@ def methods(
     from moemerge.errors import RecipeError
     from moemerge.merge.reference import default_text, methods_table, weights_text
 
-    if name is None:
+    if name is None:  # the parameters are `methods NAME`'s: with them, 113 lines at 80 columns
         columns = [Column("method", "left", key=True), Column("inputs", "left"),
-                   Column("parameters (default)", "left"),
                    Column("what it does", "left", prose=True)]
-        rows = [[row[0], _inputs(row[2], row[3]),
-                 row[4].replace("`", "").replace(", ", "\n"), row[1]]  # a parameter per line
-                for row in methods_table()]
+        rows = [[row[0], _inputs(row[2], row[3]), row[1]] for row in methods_table()]
         out.print(Fitted(columns, [[escape(c) for c in row] for row in rows],
                          title="merge methods (docs/merge-methods.md)",
-                         caption="inputs: base model (required, or optional) + models merged"))
+                         caption="inputs: base model (required, or optional) + models merged; "
+                                 "`moemerge methods NAME`: a method's parameters and defaults"))
         return
     if name not in REGISTRY:
         raise RecipeError(f"unknown merge method {name!r}; choose from {', '.join(METHOD_NAMES)}")

@@ -9,9 +9,11 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from moemerge.cli.app import app, err, out, reports_errors
+from moemerge.bounds import MAX_SEQ_LEN
+from moemerge.cli.app import app, at_most, err, out, reports_errors
 from moemerge.cli.inspect import ReportFiles
 from moemerge.io.outputs import local_inputs
+from moemerge.words import plural
 
 PREVIEW = 60  # characters of each prompt shown in the table
 
@@ -61,10 +63,10 @@ def route(
     softmax over the top-k log(1/PPL): each expert's 1/PPL, normalised) or task_vector (one
     forward and backward of the base).
     """
-    from moemerge.analysis.route import read_prompts, route_prompts
     from moemerge.errors import RecipeError
     from moemerge.tables import Column, Fitted
 
+    at_most("--max-tokens", max_tokens, MAX_SEQ_LEN, "tokens of a prompt")
     if split not in ("line", "paragraph", "file"):
         raise RecipeError(f"--split: must be line, paragraph or file, got {split!r}")
     if router is not None and router not in ("learned", "perplexity", "task_vector"):
@@ -73,6 +75,8 @@ def route(
         raise RecipeError(f"--temperature: must be > 0, got {temperature:g}")
     files = ReportFiles([("the input model", model), *local_inputs("PROMPTS", prompts)], force,
                         json=json_path)
+    from moemerge.analysis.route import read_prompts, route_prompts  # torch: after the usage
+
     texts = read_prompts(prompts, split=split, text_field=text_field)
     report = route_prompts(model, texts, router=router, k=k, temperature=temperature,
                            max_tokens=max_tokens)
@@ -87,8 +91,9 @@ def route(
     for row, p in zip(rows, report.prompts, strict=True):
         preview = p.text.replace("\n", "⏎")
         row[1] = escape(preview if len(preview) <= room else preview[: room - 1] + "…")
-    table = Fitted(columns, rows, title=f"routing of {len(texts)} prompts by {report.router} "
-                   f"routing (top-{report.experts_per_sequence} of {len(report.experts)})")
+    table = Fitted(columns, rows, title=f"routing of {plural(len(texts), 'prompt')} by "
+                   f"{report.router} routing (top-{report.experts_per_sequence} of "
+                   f"{len(report.experts)})")
     console.print(table)
     console.print(weights_legend(report), highlight=False)
     counts = {name: sum(p.experts[0]["name"] == name for p in report.prompts)

@@ -62,12 +62,8 @@ def shrink(
     the experts kept, unless --no-repair. The output keeps the input's layout, with config.json
     updated, shrink.json and README.md saying what was removed or merged per layer, and a
     kind: shrink recipe copy that moemerge build turns into the same model (docs/shrink.md)."""
-    import sys
-
     from moemerge.errors import RecipeError
     from moemerge.recipe.load import parse_recipe
-    from moemerge.shrink import recipe_text_of
-    from moemerge.shrink import shrink as run_shrink
 
     data = {"kind": "shrink", "model": str(model), "method": method, "saliency": saliency,
             "merge_method": merge_method, "repair": not no_repair,
@@ -76,9 +72,12 @@ def shrink(
     recipe = parse_recipe(data, "options")
     if not model.is_dir():
         raise RecipeError(f"MODEL {model}: no such directory")
+    from moemerge.shrink import recipe_text_of  # torch: after the usage checks
+    from moemerge.shrink import shrink as run_shrink
+
     done = run_shrink(recipe, output, recipe_dir=Path.cwd(), force=force,
                       recipe_text=recipe_text_of(recipe, model, calibration),
-                      progress=not quiet and sys.stderr.isatty())
+                      progress=not quiet)  # bars on a terminal, plain lines elsewhere
     for note in done.notes:
         out.print(f"[yellow]note:[/] {note}", highlight=False)
     out.print(f"[green]shrunk[/] {output}: {done.kept} of {done.before} experts per layer "

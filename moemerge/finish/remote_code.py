@@ -17,6 +17,18 @@ MODELING_FILES = ("configuration_moemerge.py", "pretrained_moemerge.py", "routin
                   "configuration_deepseek.py", "modeling_deepseek.py")
 
 
+def needs_remote_code(config: dict) -> bool:
+    """Whether transformers loads a model of this config.json only with
+    `trust_remote_code=True`: its `auto_map` names modeling code beside the weights (moemerge's
+    own kinds, the DeepSeek-MoE layout); without one transformers has the class."""
+    return bool(config.get("auto_map"))
+
+
+def load_call(where: str) -> str:
+    """How a model with modeling code beside its weights is loaded."""
+    return f"AutoModelForCausalLM.from_pretrained({where}, trust_remote_code=True)"
+
+
 def copy_modeling_code(directory: Path) -> None:
     package = resources.files("moemerge.modeling")
     for name in MODELING_FILES:

@@ -12,6 +12,7 @@ from moemerge.loading import load_pretrained
 from moemerge.plan.jobs import Plan
 
 FULL_LOAD_LIMIT = 2 * 2**30  # bytes; above this only the structure is checked by default
+PROBE_TOKENS = 4  # the forward pass of the load check: ids 0..3
 
 
 def check_structure(directory: Path, plan: Plan) -> None:
@@ -34,13 +35,17 @@ def check_structure(directory: Path, plan: Plan) -> None:
                 )
 
 
-def check_loads(directory: Path) -> None:
-    """Load with transformers and insist on no missing, unexpected or misshapen tensors
-    (moemerge's own kinds with the installed code, of which the shipped files are copies:
-    nothing is imported from the output directory)."""
+def check_loads(directory: Path, finite: bool = True) -> str:
+    """Load with transformers, insist on no missing, unexpected or misshapen tensors, and run
+    a few tokens through it, their logits finite unless `finite` is False (build
+    --allow-non-finite wrote NaN/Inf on purpose). moemerge's own kinds load with the installed
+    code, of which the shipped files are copies: nothing is imported from the output
+    directory. Returns what was checked, for the build's progress line ("loaded in
+    transformers as MixtralForCausalLM, logits finite"): a tiny model loads in a blink, and a
+    bare time would not say that anything ran."""
     try:
-        _, info = load_pretrained("AutoModelForCausalLM", directory, output_loading_info=True,
-                                  dtype=torch.float32)
+        model, info = load_pretrained("AutoModelForCausalLM", directory,
+                                      output_loading_info=True, dtype=torch.float32)
     except Exception as exc:  # any failure here means the output is not usable
         raise OutputError(f"output check failed: transformers cannot load it: {exc}") from exc
     problems = {k: v for k, v in info.items() if v and k != "error_msgs"} | (
@@ -48,3 +53,16 @@ def check_loads(directory: Path) -> None:
     )
     if problems:
         raise OutputError(f"output check failed: transformers reports {problems}")
+    name = type(model).__name__
+    try:
+        with torch.no_grad():  # ids every vocabulary has
+            logits = model.eval()(input_ids=torch.arange(PROBE_TOKENS)[None]).logits
+    except Exception as exc:
+        raise OutputError(f"output check failed: {name} loads from {directory} but a forward "
+                          f"pass of {PROBE_TOKENS} tokens fails: {exc}") from exc
+    if not finite:
+        return f"loaded in transformers as {name}, {PROBE_TOKENS} tokens run"
+    if not bool(torch.isfinite(logits).all()):
+        raise OutputError(f"output check failed: {name} from {directory} computes NaN/Inf "
+                          f"logits for {PROBE_TOKENS} tokens")
+    return f"loaded in transformers as {name}, logits finite"

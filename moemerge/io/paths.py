@@ -6,6 +6,7 @@ output on top of an input.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -37,7 +38,9 @@ def confined(file: Path, directory: Path, what: str = "file") -> Path:
     """`file` (absolute, or relative to `directory`: a name in it, never a path that already
     starts with a relative `directory`, which would be joined twice and miss every link) with
     its links resolved, if it stays inside `directory` (or the hub blob store of a snapshot);
-    CheckpointError naming both otherwise. Returns `directory / file`."""
+    CheckpointError naming both otherwise, or naming `file` when it is a symlink loop. Returns
+    `directory / file`."""
+    _not_a_loop(Path(directory) / file, directory)
     root = real(directory)
     target = real(Path(directory) / file)
     allowed = [root] + [b for b in (hub_blob_store(Path(directory).absolute()),
@@ -47,6 +50,27 @@ def confined(file: Path, directory: Path, what: str = "file") -> Path:
                               "model directory; refused (a model directory must not point "
                               "elsewhere)")
     return Path(directory) / file
+
+
+def _not_a_loop(path: Path, directory: Path) -> None:
+    """realpath() stops quietly at a symlink loop (and `is_file()` says False): refuse it by
+    name instead of reading the directory as if the file were missing."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CheckpointError(f"{path} is a symlink loop (its links lead back to "
+                                  f"themselves) in the model directory {directory}; "
+                                  "refused") from None
+
+
+def check_no_link_loops(directory: Path) -> None:
+    """No symlink under model directory `directory` is a loop (CheckpointError naming it):
+    checked when the directory is opened, whichever of its files are read."""
+    for parent, dirs, files in os.walk(directory):  # links are not followed
+        for name in dirs + files:
+            if os.path.islink(os.path.join(parent, name)):
+                _not_a_loop(Path(parent) / name, directory)
 
 
 def check_tree_confined(tree: Path, directory: Path) -> None:

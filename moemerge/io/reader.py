@@ -29,7 +29,7 @@ import torch
 from moemerge import buffers
 from moemerge.errors import CheckpointError
 from moemerge.io import jsontext
-from moemerge.io.paths import check_tree_confined, confined
+from moemerge.io.paths import check_no_link_loops, check_tree_confined, confined
 from moemerge.merge.primitives import count_non_finite
 
 # safetensors dtype strings -> torch dtypes (the writer uses the inverse map)
@@ -146,6 +146,8 @@ def read_config(directory: Path) -> dict:
     if not directory.is_dir():
         raise CheckpointError(f"model directory {directory} does not exist")
     file = directory / "config.json"
+    if file.is_symlink():  # a loop: named as one, not as a missing file
+        confined(Path(file.name), directory)
     if not file.is_file():
         raise CheckpointError(f"{file} is missing: a model directory needs its config.json")
     confined(Path(file.name), directory)
@@ -201,6 +203,8 @@ class CheckpointReader:
         self.allow_pickle = allow_pickle
         self.max_open_files = max(1, max_open_files)
         self._handles: OrderedDict[Path, Any] = OrderedDict()  # LRU: oldest first
+        if self.directory.is_dir():
+            check_no_link_loops(self.directory)
         self.config = read_config(self.directory)
         self.metas: dict[str, TensorMeta] = {}
         for file in self._weight_files():

@@ -30,6 +30,7 @@ from moemerge.errors import CheckpointError, OutputError
 from moemerge.io.atomic import NO_SPACE, NoSpaceLeft
 from moemerge.io.reader import DTYPES, SAFETENSORS_INDEX, TensorMeta, read_safetensors_header
 from moemerge.merge.primitives import count_non_finite
+from moemerge.words import plural
 
 Planned = tuple[str, torch.dtype, tuple[int, ...]]
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -202,7 +203,9 @@ class ShardedWriter:
             self._release()
             shown = ", ".join(repr(n) for n in missing[:10])
             more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
-            raise OutputError(f"{len(missing)} planned tensors were never written: {shown}{more}")
+            were = "was" if len(missing) == 1 else "were"
+            raise OutputError(f"{plural(len(missing), 'planned tensor')} {were} never written: "
+                              f"{shown}{more}")
         try:
             for fd in self._fds:
                 os.fsync(fd)  # delayed allocation may report ENOSPC only now

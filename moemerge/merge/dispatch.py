@@ -12,6 +12,7 @@ from moemerge.merge import blocks
 from moemerge.merge.draws import Draws
 from moemerge.merge.methods import Weights, weights_of
 from moemerge.merge.registry import REGISTRY, MethodSpec, Param, all_params, get
+from moemerge.words import plural
 
 
 def call_arguments(spec: MethodSpec, params: dict[str, object],
@@ -46,7 +47,8 @@ def _each_model(p: Param, value: object, n_models: int | None) -> list[object]:
     if not p.per_model:
         raise ValueError(f"{p.name} takes one value for all models, got {list(value)}")
     if n_models is not None and len(value) != n_models:
-        raise ValueError(f"{p.name}: {len(value)} per-model values for {n_models} models")
+        raise ValueError(f"{p.name}: {plural(len(value), 'per-model value')} for "
+                         f"{plural(n_models, 'model')}")
     return list(value)
 
 

@@ -24,6 +24,7 @@ from moemerge.merge.primitives import (
     task_vectors,
     trim_to_density,
 )
+from moemerge.words import plural
 
 DEFAULT_DENSITY = 0.7
 DEFAULT_LAMBDA = 1.0
@@ -38,7 +39,7 @@ def weights_of(weights: Weights, n: int, normalize: bool) -> Tensor:
     else:
         w = torch.tensor([float(x) for x in weights], dtype=torch.float32)
     if w.numel() != n:
-        raise ValueError(f"{w.numel()} weights for {n} models")
+        raise ValueError(f"{plural(w.numel(), 'weight')} for {plural(n, 'model')}")
     if not normalize:
         return w
     total = w.sum()

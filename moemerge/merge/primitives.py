@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from moemerge.merge.draws import Draws
+from moemerge.words import plural
 
 
 def task_vectors(base: Tensor, tensors: Sequence[Tensor]) -> Tensor:
@@ -39,7 +40,7 @@ def per_model(value: PerModel, n: int) -> list[float]:
         return [float(value)] * n
     values = [float(v) for v in value]
     if len(values) != n:
-        raise ValueError(f"{len(values)} per-model values for {n} models")
+        raise ValueError(f"{plural(len(values), 'per-model value')} for {plural(n, 'model')}")
     return values
 
 

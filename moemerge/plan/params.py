@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from moemerge.merge.registry import get
 from moemerge.recipe.merge import Condition, MergeSpec, param_fields
+from moemerge.words import plural
 
 FIRST = ("lambda", "density", "t")  # shown by describe() even at their defaults
 
@@ -149,6 +150,6 @@ def override_layer_warnings(spec: MergeSpec, num_layers: int) -> list[str]:
         beyond = sorted({n for n in override.layers or () if not 0 <= n < num_layers})
         if beyond:
             warnings.append(f"merge.overrides[{index}].layers: {beyond[:10]} beyond the output's "
-                            f"{num_layers} layers (0..{num_layers - 1}); the override never "
-                            "applies there")
+                            f"{plural(num_layers, 'layer')} (0..{num_layers - 1}); the override "
+                            "never applies there")
     return warnings

@@ -13,6 +13,7 @@ from moemerge.plan.params import resolve_merge, resolve_weights
 from moemerge.plan.sources import SourceModel
 from moemerge.recipe.models import MergeRecipe
 from moemerge.recipe.slices import Slice, SliceSource
+from moemerge.words import plural
 
 
 def renamed(name: str, layer: int, to: int) -> str:
@@ -94,5 +95,5 @@ def plan_slices(recipe: MergeRecipe, models: list[SourceModel]) -> Plan:
 def _check_depth(model: SourceModel, src: SliceSource) -> None:
     depth = model.config.get("num_hidden_layers")
     if depth is not None and src.layers[1] > depth:
-        raise MismatchError(f"slices: {model.where()} has {depth} layers; layers "
+        raise MismatchError(f"slices: {model.where()} has {plural(depth, 'layer')}; layers "
                             f"{list(src.layers)} reach past them")

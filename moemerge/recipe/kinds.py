@@ -47,6 +47,8 @@ class Kind:
     remote_code: bool = False  # the output runs moemerge's shipped modeling code
     uniform: bool = True  # the inputs share one family, shape and vocabulary (checked on open)
     tokenizer: Callable[[object], int] = lambda recipe: 0  # the input the tokenizer comes from
+    # the commands that take this kind's output (docs' support table; each refuses the others)
+    commands: tuple[str, ...] = ("finetune",)
 
     def load(self, stage: str) -> Callable:
         """The function or class of `stage` ("planner", "router", ...)."""
@@ -59,36 +61,44 @@ class Kind:
 KINDS = (
     Kind("merge", "merge", MergeRecipe, "one dense model merged from several", "inputs",
          "plan.build:plan_merge", "finish.card:merge_card", moe=False, tunable=True, gguf=True,
+         commands=("finetune --full", "inspect task-vectors"),
          tokenizer=lambda recipe: recipe.tokenizer_index),
     Kind("token_routed", "moe", MoERecipe,
          "a token-routed MoE (Mixtral / Qwen-MoE layout) from dense experts", "experts",
          "plan.build:plan_token_routed", "finish.card:token_routed_card",
          router="routing.routers:TokenRouters",
-         calibrator="routing.calibrate:calibrate_token_routers", tunable=True, gguf=True),
+         calibrator="routing.calibrate:calibrate_token_routers", tunable=True, gguf=True,
+         commands=("finetune", "extend", "extract", "shrink", "inspect routing")),
     Kind("seq_routed", "moe:seq_routed", SeqRoutedRecipe,
          "a sequence-routed MoE: whole expert models, one router per sequence", "experts",
          "plan.sequence:plan_seq_routed", "finish.card:seq_routed_card",
          router="routing.routers:SequenceRouters",
-         calibrator="routing.calibrate:calibrate_sequence_routers", remote_code=True),
+         calibrator="routing.calibrate:calibrate_sequence_routers", remote_code=True,
+         commands=("finetune", "extend", "extract", "route", "inspect routing")),
     Kind("bridged", "moe:bridged", BridgedRecipe,
          "a sequence-routed MoE of experts of other sizes, bridged by projectors", "experts",
          "plan.sequence:plan_bridged", "finish.card:bridged_card",
          router="routing.routers:SequenceRouters",
          calibrator="routing.calibrate:calibrate_sequence_routers", remote_code=True,
-         uniform=False, tokenizer=lambda recipe: recipe.tokenizer_index),
+         uniform=False, tokenizer=lambda recipe: recipe.tokenizer_index,
+         commands=("finetune", "route", "inspect routing")),
     Kind("merged_experts", "moe:merged_experts", MergedExpertsRecipe,
          "a merged-experts MoE (CAMEx / SMEAR): experts merged per segment by its router",
          "experts", "plan.merged:plan_merged_experts", "finish.card:merged_experts_card",
-         calibrator="routing.calibrate:calibrate_merged_routers", remote_code=True),
+         calibrator="routing.calibrate:calibrate_merged_routers", remote_code=True,
+         commands=("finetune", "extend", "extract", "bake", "inspect routing")),
     Kind("upcycle", "upcycle", UpcycleRecipe,
          "a token-routed MoE whose experts are copies of one dense model's FFN", "inputs",
          "plan.upcycle:plan_upcycle", "finish.card:upcycle_card",
-         router="routing.routers:UpcycleRouters", gguf=True),
+         router="routing.routers:UpcycleRouters", gguf=True,
+         commands=("finetune", "extract", "shrink", "inspect routing")),
     Kind("shrink", "shrink", ShrinkRecipe, "an MoE with fewer experts per layer", "inputs",
-         None, None, runner="shrink:run"),
+         None, None, runner="shrink:run",
+         commands=("finetune", "extract", "shrink", "inspect routing")),
     Kind("stages", "stages", StagesRecipe, "several recipes built in order, later ones reading "
          "earlier outputs (mergekit-multi)", "inputs", None, None, runner="stages:build_stages",
-         moe=False, gguf=True),  # gguf: the output stage's build converts it, if its kind can
+         moe=False, gguf=True,  # gguf: the output stage's build converts it, if its kind can
+         commands=("those of its last stage's kind",)),
 )
 BY_TAG = {kind.tag: kind for kind in KINDS}
 AnyRecipe = Union[tuple(kind.recipe for kind in KINDS)]  # noqa: UP007 - a union made at run time

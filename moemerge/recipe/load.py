@@ -1,19 +1,26 @@
 """Read a recipe file; report every error at once, each naming the file and the field.
 
-YAML is read with a budget: aliases may add at most ALIAS_BUDGET nodes to the document (a
-436-byte "billion laughs" recipe otherwise expands to gigabytes once validated and printed),
+YAML is read with a budget: at most MAX_YAML_BYTES bytes and MAX_YAML_NODES nodes, counted
+before the document is built (moemerge/bounds.py); aliases may add at most ALIAS_BUDGET nodes
+to the document (a 436-byte "billion laughs" recipe otherwise expands to gigabytes once
+validated and printed); a key given twice in one mapping is an error, not the last one kept;
 and no message echoes more than a short prefix of a value.
 """
 
 from __future__ import annotations
 
+import functools
+import re
+import typing
 from pathlib import Path
 from typing import Annotated, Union
 
 import yaml
-from pydantic import Discriminator, Tag, TypeAdapter, ValidationError
+from pydantic import BaseModel, Discriminator, Tag, TypeAdapter, ValidationError
 
+from moemerge.bounds import MAX_STAGES, MAX_YAML_BYTES, MAX_YAML_NODES
 from moemerge.errors import RecipeError
+from moemerge.recipe.diagnose import at, did_you_mean, one_per_mistake, positions
 from moemerge.recipe.kinds import ASSEMBLIES, BY_TAG, DEFAULT_ASSEMBLY, KINDS, AnyRecipe
 
 
@@ -41,8 +48,9 @@ def _field_path(loc: tuple) -> str:
     return ".".join(str(p) for p in loc)
 
 
-def recipe_errors(data: object) -> list[str]:
-    """Every problem with already-parsed recipe data, as 'field: message' lines."""
+def recipe_errors(data: object, text: str | None = None) -> list[str]:
+    """Every problem with already-parsed recipe data, one 'field: message' line per mistake;
+    with the recipe's `text`, each line starts with the line and column of the field."""
     if not isinstance(data, dict):
         what = "nothing" if data is None else f"a {type(data).__name__} ({short(data, 40)})"
         return [f"a recipe is a mapping of fields (kind: merge or moe, models or experts, ...); "
@@ -50,8 +58,34 @@ def recipe_errors(data: object) -> list[str]:
     try:
         _ADAPTER.validate_python(data)
     except ValidationError as exc:
-        return [_describe(err) for err in exc.errors()]
+        errors = [{**e, "loc": e["loc"][1:] if e["loc"] and e["loc"][0] in _TAGS else e["loc"]}
+                  for e in exc.errors()]
+        where = positions(text) if text is not None else {}
+        found = one_per_mistake(errors, data, _describe)
+        found.sort(key=lambda item: where.get(item[0], (1 << 30, 0)))  # in the file's order
+        return [at(path, where, message) for path, message in found]
     return []
+
+
+@functools.cache
+def _field_names() -> list[str]:
+    """Every key a recipe may hold somewhere (fields and aliases of every block)."""
+    names, queue, seen = set(), [kind.recipe for kind in KINDS], set()
+    while queue:
+        model = queue.pop()
+        if model in seen:
+            continue
+        seen.add(model)
+        for name, info in model.model_fields.items():
+            names.add(info.alias or name)
+            queue += _models_in(info.annotation)
+    return sorted(names)
+
+
+def _models_in(annotation) -> list[type]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for a in typing.get_args(annotation) for m in _models_in(a)]
 
 
 ALIAS_BUDGET = 10_000  # nodes that aliases may add to a document
@@ -67,6 +101,10 @@ def short(value: object, limit: int = 60) -> str:
 def safe_yaml(text: str, source: str, *, documents: bool = False) -> object:
     """yaml.safe_load with the alias budget and a clean error for anything malformed; with
     `documents`, the list of every document (a mergekit-multi config), each within the budget."""
+    if len(text) > MAX_YAML_BYTES:
+        raise RecipeError(f"{source}: {len(text):,} characters; a recipe or config is at most "
+                          f"{MAX_YAML_BYTES:,} bytes")
+    _count_nodes(text, source, documents)
     loader = yaml.SafeLoader(text)
     try:
         if documents:
@@ -91,6 +129,39 @@ def safe_yaml(text: str, source: str, *, documents: bool = False) -> object:
         loader.dispose()
 
 
+# libyaml's parser where PyYAML has it: ~1 µs an event, against ~15 for PyYAML's own
+_COUNTING_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _count_nodes(text: str, source: str, documents: bool) -> None:
+    """Before anything is built: at most MAX_YAML_NODES nodes (scalars, lists and mappings of
+    every document together) and, for a config of several documents, MAX_STAGES documents,
+    counted from the parser's events and stopped at the bound (a million experts are refused
+    in a tenth of a second, not parsed in half a minute). Malformed YAML is left to the parse
+    proper, which names the line."""
+    loader = _COUNTING_LOADER(text)
+    nodes = docs = 0
+    try:
+        while loader.check_event():
+            event = loader.get_event()
+            if isinstance(event, yaml.ScalarEvent | yaml.CollectionStartEvent):
+                nodes += 1
+                if nodes > MAX_YAML_NODES:
+                    raise RecipeError(f"{source}: more than {MAX_YAML_NODES:,} YAML nodes (values, "
+                                      "keys, lists, mappings); a recipe or config has at most "
+                                      f"{MAX_YAML_NODES:,} (4096 experts take about 50,000)")
+            elif isinstance(event, yaml.DocumentStartEvent) and documents:
+                docs += 1
+                if docs > MAX_STAGES:
+                    raise RecipeError(f"{source}: more than {MAX_STAGES} YAML documents; a "
+                                      f"mergekit-multi config has at most {MAX_STAGES} documents "
+                                      "(each a stage, a whole model built in turn)")
+    except (yaml.YAMLError, UnicodeError, ValueError):
+        return
+    finally:
+        loader.dispose()
+
+
 def _checked(loader: yaml.SafeLoader, node: yaml.Node, source: str) -> object:
     """One document's data, once its aliases and numbers are within bounds."""
     added = _alias_growth(node)
@@ -98,16 +169,20 @@ def _checked(loader: yaml.SafeLoader, node: yaml.Node, source: str) -> object:
         raise RecipeError(f"{source}: YAML aliases would expand the recipe by more than "
                           f"{ALIAS_BUDGET} nodes (a recursive or \"billion laughs\" alias); "
                           "refused")
-    _check_numbers(node, source)
+    _check_nodes(node, source)
     return loader.construct_document(node)
 
 
 MAX_INT_CHARS = 4000  # Python converts at most 4300 digits to an int (a bare ValueError)
 
 
-def _check_numbers(root: yaml.Node, source: str) -> None:
+MERGE_TAG = "tag:yaml.org,2002:merge"  # `<<: *defaults`, which may repeat
+
+
+def _check_nodes(root: yaml.Node, source: str) -> None:
     """Refuse, naming the key and the line, an integer too long for Python to convert (the
-    loader would raise a ValueError naming nothing); no field takes one."""
+    loader would raise a ValueError naming nothing; no field takes one), and a key given twice
+    in one mapping (the loader would keep the last one silently)."""
     seen: set[int] = set()
     stack: list[tuple[yaml.Node, str]] = [(root, "")]
     while stack:
@@ -121,8 +196,15 @@ def _check_numbers(root: yaml.Node, source: str) -> None:
                                   f"{where or 'the document'}: an integer of {len(node.value)} "
                                   "digits; no field takes a number that large")
         elif isinstance(node, yaml.MappingNode):
+            keys: set[tuple[str, str]] = set()
             for key, value in node.value:
                 name = key.value if isinstance(key, yaml.ScalarNode) else "?"
+                if isinstance(key, yaml.ScalarNode) and key.tag != MERGE_TAG:
+                    if (key.tag, key.value) in keys:
+                        raise RecipeError(f"{source}: line {key.start_mark.line + 1}: "
+                                          f"{where or 'the document'}: the key {short(name)} "
+                                          "is given twice; give it once")
+                    keys.add((key.tag, key.value))
                 stack.append((key, where))
                 stack.append((value, f"{where}.{name}" if where else str(name)[:80]))
         elif isinstance(node, yaml.SequenceNode):
@@ -161,19 +243,27 @@ def _alias_growth(root: yaml.Node) -> float:
     return size[id(root)] - len(size)
 
 
-def _describe(err: dict) -> str:
-    field = _field_path(err["loc"])
+def _describe(err: dict, path: tuple = ()) -> str:
+    field = ".".join(str(p) for p in path) if path else _field_path(err["loc"])
     if err["type"] == "extra_forbidden":
-        return f"{field}: unknown field (misspelt, or not valid here)"
+        key = err["loc"][-1] if err["loc"] else ""
+        return (f"{field}: unknown field (misspelt, or not valid here)"
+                f"{did_you_mean(key, _field_names())}")
     if err["type"] == "union_tag_invalid":
         data = err["input"]
         if data.get("kind") == "moe":
-            return (f"assembly: must be one of {', '.join(ASSEMBLIES)}, got "
-                    f"{short(data.get('assembly'))}")
-        return f"kind: must be {_or([repr(n) for n in _KIND_NAMES])}, got {short(data.get('kind'))}"
+            given = data.get("assembly")
+            return (f"assembly: must be one of {', '.join(ASSEMBLIES)}, got {short(given)}"
+                    f"{did_you_mean(given, list(ASSEMBLIES))}")
+        return (f"kind: must be {_or([repr(n) for n in _KIND_NAMES])}, got "
+                f"{short(data.get('kind'))}{did_you_mean(data.get('kind'), _KIND_NAMES)}")
     if err["type"] == "union_tag_not_found":
         return "kind: missing; say " + _or([f"'kind: {name}' ({BY_TAG[name].summary})"
                                              for name in _KIND_NAMES])
+    if err["type"] == "literal_error":
+        choices = re.findall(r"'([^']*)'", str(err["ctx"]["expected"]))
+        return (f"{field}: must be one of {', '.join(choices)}; got {short(err['input'])}"
+                f"{did_you_mean(err['input'], choices)}")
     msg = err["msg"].removeprefix("Value error, ")[:300]
     # whole-recipe checks name their own field at the start of the message
     return f"{field[:200]}: {msg}" if field else msg
@@ -183,8 +273,8 @@ def _or(items: list[str]) -> str:
     return ", ".join(items[:-1]) + " or " + items[-1]
 
 
-def parse_recipe(data: object, source: str = "<recipe>") -> AnyRecipe:
-    errors = recipe_errors(data)
+def parse_recipe(data: object, source: str = "<recipe>", text: str | None = None) -> AnyRecipe:
+    errors = recipe_errors(data, text)
     if errors:
         noun = "error" if len(errors) == 1 else "errors"
         lines = "\n".join(f"  - {e}" for e in errors[:MAX_ERRORS_SHOWN])
@@ -195,20 +285,27 @@ def parse_recipe(data: object, source: str = "<recipe>") -> AnyRecipe:
 
 
 def load_recipe_data(path: Path, *, documents: bool = False) -> object:
+    return safe_yaml(read_recipe_text(path), str(path), documents=documents)
+
+
+def read_recipe_text(path: Path) -> str:
     if not path.is_file():
         raise RecipeError(f"{path}: recipe file not found")
     try:
+        if path.stat().st_size > MAX_YAML_BYTES:  # before it is read
+            raise RecipeError(f"{path}: {path.stat().st_size:,} bytes; a recipe or config is "
+                              f"at most {MAX_YAML_BYTES:,} bytes")
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise RecipeError(f"{path}: not UTF-8 text (byte {exc.start}); a recipe is a YAML "
                           "text file") from None
     except OSError as exc:
         raise RecipeError(f"{path}: cannot read the recipe: {exc.strerror}") from None
-    return safe_yaml(text, str(path), documents=documents)
+    return text
 
 
 def load_recipe(path: Path) -> AnyRecipe:
     """Load and validate a recipe. Relative model paths are resolved against the recipe's dir."""
     path = Path(path)
-    recipe = parse_recipe(load_recipe_data(path), str(path))
-    return recipe
+    text = read_recipe_text(path)
+    return parse_recipe(safe_yaml(text, str(path)), str(path), text)

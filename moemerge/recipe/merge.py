@@ -14,9 +14,10 @@ from __future__ import annotations
 from functools import cache
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import ConfigDict, Field, create_model, field_validator, model_validator
 
 from moemerge.merge.registry import METHOD_NAMES, REGISTRY, Param, all_params, per_model_params
+from moemerge.recipe.unquoted import UnquotedNumbers
 
 Role = Literal["embed", "attn", "norm", "ffn", "lm_head"]
 MethodName = Literal[METHOD_NAMES]  # type: ignore[valid-type]
@@ -62,7 +63,7 @@ def _no_bool_numbers(cls, value, info):
     return value
 
 
-class _Params(BaseModel):
+class _Params(UnquotedNumbers):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     def given(self) -> set[str]:
@@ -98,7 +99,7 @@ def _unused(method: str, given: set[str]) -> str | None:
     return f"{', '.join(extra)}: not a parameter of {method} (it takes {takes})"
 
 
-class Selector(BaseModel):
+class Selector(UnquotedNumbers):
     """Which tensors something applies to: roles, layers and/or name substrings, all that are
     given must match (none given: every tensor)."""
 

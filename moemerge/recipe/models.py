@@ -7,8 +7,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
+from moemerge.bounds import MAX_EXPERTS, MAX_MODELS, MAX_SEQ_LEN, MAX_TOKENS
 from moemerge.merge.registry import REGISTRY, all_params, per_model_params
 from moemerge.recipe.merge import (  # noqa: F401  (re-exported: the recipe kinds' shared names)
     METHODS_NEEDING_BASE,
@@ -21,6 +29,7 @@ from moemerge.recipe.merge import (  # noqa: F401  (re-exported: the recipe kind
     setting_problem,
     setting_values,
 )
+from moemerge.recipe.unquoted import UnquotedNumbers
 
 OutputDType = Literal["auto", "float32", "float16", "bfloat16"]
 
@@ -34,7 +43,23 @@ def _refs_from_str(value):
     return value
 
 
-class Strict(BaseModel):
+# the list fields counted before their entries are validated (a million experts are refused
+# at once): (noun, bound); llama.cpp's own bound is finish/gguf.py's LLAMA_CPP_MAX_EXPERTS
+COUNTED = {"experts": ("experts", MAX_EXPERTS), "models": ("models", MAX_MODELS),
+           "slices": ("slices", MAX_MODELS), "sources": ("sources", MAX_MODELS)}
+
+
+def at_most(value: object, info: ValidationInfo) -> object:
+    """A list field of COUNTED with more entries than its bound is refused before any entry is
+    validated or any model resolved."""
+    noun, bound = COUNTED[info.field_name]
+    if isinstance(value, list) and len(value) > bound:
+        raise ValueError(f"{len(value):,} {noun}; a recipe lists at most {bound} {noun}"
+                         + (" (llama.cpp loads at most 1024)" if noun == "experts" else ""))
+    return value
+
+
+class Strict(UnquotedNumbers):
     # every float must be finite: a NaN lambda or an infinite weight builds a NaN model
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -42,8 +67,11 @@ class Strict(BaseModel):
 class ModelRef(Strict):
     """A dense checkpoint: a local directory or a hub id (`org/name`), optional revision."""
 
-    model: str = Field(min_length=1)
-    revision: str | None = None
+    model: str = Field(min_length=1, description=(
+        "A local directory (relative paths are looked up next to the recipe first) or a hub id "
+        "(org/name)."))
+    revision: str | None = Field(default=None, description="A hub revision (branch, tag, "
+                                 "commit) of a hub id.")
     weight: float = Field(default=1.0, ge=0.0, description="Weight in non-FFN merges.")
 
 
@@ -90,8 +118,10 @@ MergeInput = create_model(
 
 class ExpertRef(ModelRef):
     name: str | None = Field(default=None, description="Display name; defaults to the dir name.")
-    positive_prompts: list[str] = Field(default_factory=list)
-    negative_prompts: list[str] = Field(default_factory=list)
+    positive_prompts: list[str] = Field(default_factory=list, description=(
+        "Text this expert should be routed (router.init: prompts)."))
+    negative_prompts: list[str] = Field(default_factory=list, description=(
+        "Text it should not be routed (subtracted under router.init: prompts)."))
 
 
 class RoutedExpertRef(ExpertRef):
@@ -113,8 +143,9 @@ class CalibrationText(Strict):
                             "domain named after its expert (`name=path`, or a directory of "
                             "files named after the experts), or one mixed text whose targets "
                             "are the experts' per-token losses.")
-    max_tokens: int = Field(default=4096, gt=0, le=2**40, description="Tokens read per domain.")
-    seq_len: int = Field(default=128, gt=1, le=2**20, description="Tokens per calibration "
+    max_tokens: int = Field(default=4096, gt=0, le=MAX_TOKENS, description="Tokens read per "
+                            "domain.")
+    seq_len: int = Field(default=128, gt=1, le=MAX_SEQ_LEN, description="Tokens per calibration "
                          "window.")
     text_field: str = Field(default="text", min_length=1, description="Field of .jsonl "
                             "records holding the text.")
@@ -164,23 +195,30 @@ class RouterSpec(Strict):
         "(docs/routing.md); mergekit_hidden, mergekit_hidden_avg, mergekit_cheap_embed: "
         "mergekit-moe's gate modes, computed as it does (docs/mergekit.md).")
     std: float | None = Field(default=None, gt=0.0, description="Std of random init.")
-    max_prompt_tokens: int = Field(default=512, gt=0)
+    max_prompt_tokens: int = Field(default=512, gt=0, le=MAX_SEQ_LEN, description=(
+        "Tokens of each prompt read by the prompts init."))
 
 
 class OutputSpec(Strict):
-    dtype: OutputDType = "auto"
-    max_shard_size: str | int = "5GB"
+    dtype: OutputDType = Field(default="auto", description=(
+        "The output's dtype; auto: the base's (else the first model's)."))
+    max_shard_size: str | int = Field(default="5GB", description=(
+        "Largest safetensors shard, in bytes or with a unit (5GB, 500MB)."))
 
 
 class _RecipeBase(Strict):
-    name: str | None = None
-    seed: int = 0
-    output: OutputSpec = OutputSpec()
+    name: str | None = Field(default=None, description="The model's name (the card's title).")
+    seed: int = Field(default=0, description=(
+        "Seeds everything random (DARE / DELLA draws, random routers): the same recipe gives "
+        "the same bytes."))
+    output: OutputSpec = Field(default=OutputSpec(), description="dtype and shard size.")
 
     # one validator for the model fields of every recipe kind (check_fields: not all have all)
     _model_refs = field_validator(
         "base_model", "models", "experts", mode="before", check_fields=False
     )(_refs_from_str)
+    _counted = field_validator("models", "experts", "slices", mode="before",
+                               check_fields=False)(at_most)
 
     @model_validator(mode="before")
     @classmethod
@@ -251,6 +289,14 @@ class TokenizerSpec(Strict):
                                            "added (each the mean of the others) up to a "
                                            "multiple of this.")
 
+    @field_validator("tokens")
+    @classmethod
+    def _no_empty_token(cls, tokens: dict[str, TokenEmbedding]) -> dict[str, TokenEmbedding]:
+        if "" in tokens:
+            raise ValueError("an empty token (\"\"); a token added to the vocabulary is at "
+                             "least one character")
+        return tokens
+
     def models_named(self) -> list[str]:
         """Every model this block names (source, tokens' sources)."""
         named = [] if self.source in ("union", "base") else [self.source]
@@ -266,8 +312,9 @@ class TokenizerSpec(Strict):
 class MergeRecipe(_RecipeBase):
     """`kind: merge`: N dense models of one architecture become one dense model."""
 
-    kind: Literal["merge"]
-    base_model: ModelRef | None = None
+    kind: Literal["merge"] = Field(description="One dense model merged from several.")
+    base_model: ModelRef | None = Field(default=None, description=(
+        "The model task vectors are taken against (the methods that need one)."))
     models: list[MergeInput] = Field(  # type: ignore[valid-type]
         default_factory=list, description="The models to merge (or `slices`).")
     slices: list[Slice] | None = Field(default=None, description="The output's layers as "
@@ -321,14 +368,16 @@ class MergeRecipe(_RecipeBase):
 class MoERecipe(_RecipeBase):
     """`kind: moe`: a base plus N dense experts branched from it become one MoE."""
 
-    kind: Literal["moe"]
-    assembly: Literal["token_routed"] = "token_routed"
-    base_model: ModelRef
-    experts: list[RoutedExpertRef] = Field(min_length=1)
+    kind: Literal["moe"] = Field(description="A Mixture-of-Experts model.")
+    assembly: Literal["token_routed"] = Field(default="token_routed", description=(
+        "How the experts are put together: a router per layer picks experts per token."))
+    base_model: ModelRef = Field(description="The model the experts were fine-tuned from.")
+    experts: list[RoutedExpertRef] = Field(min_length=1, description=(
+        "The experts, each a model fine-tuned from the base; its FFNs become one expert."))
     include_base_expert: bool = Field(
         default=False, description="Add the base model's own FFN as one more expert."
     )
-    experts_per_token: int = Field(default=2, ge=1)
+    experts_per_token: int = Field(default=2, ge=1, description="Experts each token uses.")
     shared_expert: Literal["none", "base", "average"] | RoutedExpertRef = Field(
         default="none",
         description="The always-on shared expert (Qwen2-MoE, DeepSeek-MoE; a Llama base "
@@ -341,9 +390,11 @@ class MoERecipe(_RecipeBase):
         "by default the base family's own (Llama: mixtral, with a shared expert deepseek); a "
         "Llama base can also be written as qwen2_moe (zero attention biases, a gated shared "
         "expert).")
-    merge: MergeSpec = MergeSpec()
-    router: RouterSpec = RouterSpec()
-    calibration: CalibrationSpec | None = None
+    merge: MergeSpec = Field(default=MergeSpec(), description=(
+        "How the tensors the experts share (attention, embeddings, norms, head) are merged."))
+    router: RouterSpec = Field(default=RouterSpec(), description="How the routers start.")
+    calibration: CalibrationSpec | None = Field(default=None, description=(
+        "Text per expert that sets the routers (router.init: calibrate)."))
 
     @property
     def num_experts(self) -> int:

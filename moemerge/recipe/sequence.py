@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from moemerge.bounds import MAX_SEQ_LEN
 from moemerge.recipe.models import (
     CalibrationSpec,
     ExpertRef,
@@ -35,7 +36,7 @@ class SeqRouterSpec(Strict):
         "prompts' mean embedding (centred across experts, unit rows), or calibrate (ridge "
         "regression on `calibration` data, docs/routing.md).")
     std: float | None = Field(default=None, gt=0.0, description="Std of random init.")
-    max_prompt_tokens: int = Field(default=512, gt=0)
+    max_prompt_tokens: int = Field(default=512, gt=0, le=MAX_SEQ_LEN)
     temperature: float = Field(default=1.0, gt=0.0, description="Softmax temperature over the "
                                "top-k routing scores.")
     task_vector_params: list[str] = Field(

@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from moemerge.bounds import MAX_EXPERTS, MAX_SEQ_LEN
 from moemerge.merge.registry import REGISTRY
 from moemerge.recipe.models import CalibrationText, ModelRef, _RecipeBase, _refs_from_str
 
@@ -29,7 +30,7 @@ class ShrinkRecipe(_RecipeBase):
     kind: Literal["shrink"]
     model: ModelRef = Field(description="The token-routed MoE to shrink (Mixtral, Qwen2-MoE, "
                             "Qwen3-MoE, FlexOlmo, GraniteMoE), built by moemerge or not.")
-    experts: int | None = Field(default=None, ge=1, le=4096, description="Experts kept per "
+    experts: int | None = Field(default=None, ge=1, le=MAX_EXPERTS, description="Experts kept per "
                                 "layer (or `ratio`).")
     ratio: float | None = Field(default=None, gt=0.0, le=1.0, description="Share of the "
                                 "experts kept per layer, rounded, at least 1 (or `experts`).")
@@ -47,7 +48,7 @@ class ShrinkRecipe(_RecipeBase):
                               "where it takes weights.")
     repair: bool = Field(default=True, description="Refit each router by ridge regression to "
                          "the original model's routing mapped onto the kept experts.")
-    merge_sample: int = Field(default=512, ge=1, le=2**20, description="merge: tokens per "
+    merge_sample: int = Field(default=512, ge=1, le=MAX_SEQ_LEN, description="merge: tokens per "
                               "layer on which every expert's output is compared.")
 
     _model_ref = field_validator("model", mode="before")(_refs_from_str)

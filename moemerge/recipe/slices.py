@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator, model_validator
 
-from moemerge.recipe.models import MergeInput, ModelRef, Strict
+from moemerge.recipe.models import MergeInput, ModelRef, Strict, at_most
 
 
 class SliceSource(MergeInput):  # type: ignore[valid-type, misc]
@@ -30,6 +30,8 @@ class Slice(Strict):
     """Consecutive output layers, merged from `sources` (all of the same length)."""
 
     sources: list[SliceSource] = Field(min_length=1)
+
+    _counted = field_validator("sources", mode="before")(at_most)
 
     @model_validator(mode="before")
     @classmethod

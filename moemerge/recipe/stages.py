@@ -18,7 +18,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from moemerge.bounds import MAX_STAGES
 from moemerge.recipe.models import ModelRef, Strict
+from moemerge.recipe.tree import replaced, strings
 
 # recipe fields that hold model references (strings, or mappings with `model`)
 MODEL_FIELDS = ("model", "base_model", "reference", "models", "experts", "sources", "slices")
@@ -45,6 +47,15 @@ class StagesRecipe(Strict):
     name: str | None = None
     stages: list[Stage] = Field(min_length=1)
 
+    @field_validator("stages", mode="before")
+    @classmethod
+    def _at_most(cls, value: object) -> object:
+        """Counted before any stage is validated: each is a whole model, built in turn."""
+        if isinstance(value, list) and len(value) > MAX_STAGES:
+            raise ValueError(f"{len(value)} stages; a stages recipe has at most {MAX_STAGES} "
+                             "stages (each is a whole model, built in turn)")
+        return value
+
     @model_validator(mode="after")
     def _valid(self) -> StagesRecipe:
         from moemerge.recipe.load import recipe_errors  # load builds its parser from the kinds
@@ -66,37 +77,58 @@ class StagesRecipe(Strict):
             raise ValueError("; ".join(problems))
         return self
 
-    def reads(self, index: int) -> set[str]:
-        """The stage names stage `index` reads as models."""
+    def reads(self, index: int, names: set[str] | None = None) -> set[str]:
+        """The stage names stage `index` reads as models (`names`: every stage's, when the
+        caller has them)."""
         found: set[str] = set()
-        _walk(self.stages[index].recipe, set(self._names()), found.add)
+        _walk(self.stages[index].recipe, set(self._names()) if names is None else names,
+              found.add)
         return found
 
     def order(self) -> list[int]:
-        """Stage indices, each after every stage it reads."""
+        """Stage indices, each after every stage it reads (a depth-first walk with its own
+        stack: a chain of stages is as long as the user makes it)."""
         index = {s.name: i for i, s in enumerate(self.stages) if s.name}
+        names = set(index)
+        reads = [[index[name] for name in sorted(self.reads(i, names))]
+                 for i in range(len(self.stages))]
         done: list[int] = []
-
-        def visit(i: int, path: tuple[int, ...]) -> None:
-            if i in done:
-                return
-            if i in path:
-                cycle = " -> ".join(self.stages[j].name or "output" for j in (*path, i))
-                raise ValueError(f"stages: a cycle: {cycle}")
-            for name in sorted(self.reads(i)):
-                visit(index[name], (*path, i))
-            done.append(i)
-
-        for i in range(len(self.stages)):
-            visit(i, ())
+        finished: set[int] = set()
+        for root in range(len(self.stages)):
+            if root in finished:
+                continue
+            path, ahead = [root], [iter(reads[root])]  # the stages being visited, in order
+            visiting = {root}
+            while path:
+                j = next(ahead[-1], None)
+                if j is None:
+                    finished.add(path[-1])
+                    visiting.discard(path[-1])
+                    done.append(path.pop())
+                    ahead.pop()
+                elif j in visiting:
+                    raise ValueError(f"stages: a cycle: {self._cycle(path[path.index(j):])}")
+                elif j not in finished:
+                    path.append(j)
+                    visiting.add(j)
+                    ahead.append(iter(reads[j]))
         return done
+
+    def _cycle(self, loop: list[int]) -> str:
+        """'p -> q -> p'; a long cycle's middle left out."""
+        names = [self.stages[j].name or "output" for j in loop]
+        if len(names) > 8:
+            return " -> ".join([*names[:4], "…", *names[-2:], names[0]]) + \
+                f" ({len(names)} stages)"
+        return " -> ".join([*names, names[0]])
 
     @property
     def output_index(self) -> int:
         unnamed = [i for i, s in enumerate(self.stages) if not s.name]
         if unnamed:
             return unnamed[0]
-        read = set().union(*(self.reads(i) for i in range(len(self.stages))))
+        names = set(self._names())
+        read = set().union(*(self.reads(i, names) for i in range(len(self.stages))))
         sinks = [i for i, s in enumerate(self.stages) if s.name not in read]
         if len(sinks) != 1:
             unread = ", ".join(self.stages[i].name for i in sinks) or "none"
@@ -129,24 +161,14 @@ class StagesRecipe(Strict):
         return []
 
 
-def _walk(value: object, names: set[str], found, key: str | None = None) -> None:
+def _walk(value: object, names: set[str], found) -> None:
     """found(model) for every model reference under `value` (all of them when `names` is
     empty, else those in `names`)."""
-    if isinstance(value, dict):
-        for k, v in value.items():
-            _walk(v, names, found, k)
-    elif isinstance(value, list):
-        for v in value:
-            _walk(v, names, found, key)
-    elif isinstance(value, str) and key in MODEL_FIELDS and (not names or value in names):
-        found(value)
+    for key, text in strings(value):
+        if key in MODEL_FIELDS and (not names or text in names):
+            found(text)
 
 
-def _replaced(value: object, outputs: dict[str, str], key: str | None = None) -> object:
-    if isinstance(value, dict):
-        return {k: _replaced(v, outputs, k) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_replaced(v, outputs, key) for v in value]
-    if isinstance(value, str) and key in MODEL_FIELDS and value in outputs:
-        return outputs[value]
-    return value
+def _replaced(value: object, outputs: dict[str, str]) -> object:
+    return replaced(value, lambda key, text: outputs[text]
+                    if key in MODEL_FIELDS and text in outputs else text)

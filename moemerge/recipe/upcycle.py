@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from moemerge.bounds import MAX_EXPERTS
 from moemerge.recipe.models import ModelRef, Strict, _RecipeBase, _refs_from_str
 
 
@@ -27,7 +28,7 @@ class Reinit(Strict):
 class UpcycleRecipe(_RecipeBase):
     kind: Literal["upcycle"]
     model: ModelRef
-    experts: int = Field(ge=1, le=4096, description="Copies of the dense FFN.")
+    experts: int = Field(ge=1, le=MAX_EXPERTS, description="Copies of the dense FFN.")
     granularity: int = Field(default=1, ge=1, description="Slices per copy, along the "
                              "intermediate dimension: experts × granularity fine-grained experts.")
     experts_per_token: int = Field(default=2, ge=1, description="Copies chosen per token; "
@@ -73,4 +74,8 @@ class UpcycleRecipe(_RecipeBase):
             raise ValueError(f"shared_experts: {self.shared_experts} of the {self.granularity} "
                              "slices (granularity) would leave no slice to route; give fewer, "
                              "or a larger granularity")
+        if self.num_experts > MAX_EXPERTS:
+            raise ValueError(f"granularity: experts × (granularity − shared_experts) = "
+                             f"{self.num_experts:,} routed experts; an MoE has at most "
+                             f"{MAX_EXPERTS} experts (llama.cpp loads at most 1024)")
         return self

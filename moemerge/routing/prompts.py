@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from moemerge.errors import CheckpointError
-from moemerge.loading import load_pretrained
+from moemerge.io.reader import read_config
+from moemerge.loading import check_tokenizer_fits, load_pretrained, vocab_rows
 from moemerge.recipe.models import ExpertRef
 from moemerge.routing.init import contrast_rows
 
@@ -30,13 +31,17 @@ def _tokenize(tokenizer, prompts: list[str], max_tokens: int) -> list[torch.Tens
 
 
 def _load_tokenizer(base_dir: Path):
+    """The base's tokenizer, each id it gives a row of the base's embedding (the prompts run
+    through the base, or index its embedding)."""
     try:
-        return load_pretrained("AutoTokenizer", base_dir)
+        tokenizer = load_pretrained("AutoTokenizer", base_dir)
     except (OSError, ValueError) as exc:
         raise CheckpointError(
             f"router init from prompts needs the base model's tokenizer, but none loads from "
             f"{base_dir}: {exc}"
         ) from None
+    check_tokenizer_fits(tokenizer, vocab_rows(read_config(base_dir)), base_dir, base_dir)
+    return tokenizer
 
 
 def _load_base(base_dir: Path, dtype: torch.dtype, init: str):

@@ -33,7 +33,7 @@ from moemerge.io.outputs import check_output, local_inputs
 from moemerge.io.reader import CheckpointReader, read_config
 from moemerge.io.resolve import resolve_model
 from moemerge.io.writer import ShardedWriter, finite, overwrite_tensors
-from moemerge.loading import load_pretrained
+from moemerge.loading import check_seq_len, check_tokenizer_fits, load_pretrained, vocab_rows
 from moemerge.progress import Stages
 from moemerge.recipe.shrink import ShrinkRecipe
 from moemerge.routing.calibration import calibration_windows
@@ -86,11 +86,14 @@ def _check(moe: Path, config: dict, recipe: ShrinkRecipe):
     return layout, before, kept
 
 
-def _windows(recipe: ShrinkRecipe, moe: Path, recipe_dir: Path):
+def _windows(recipe: ShrinkRecipe, moe: Path, config: dict, recipe_dir: Path):
     domains = read_domains(recipe.calibration.data, text_field=recipe.calibration.text_field,
                            what="calibration.data", near=recipe_dir)
     texts = {name: domain.documents for name, domain in domains.items()}
-    ids, _, _ = calibration_windows(recipe.calibration, texts, load_tokenizer(moe))
+    check_seq_len(recipe.calibration.seq_len, "calibration.seq_len (--seq-len)", config, moe)
+    tokenizer = load_tokenizer(moe)
+    check_tokenizer_fits(tokenizer, vocab_rows(config), moe, moe)  # before the forward pass
+    ids, _, _ = calibration_windows(recipe.calibration, texts, tokenizer)
     return ids
 
 
@@ -119,7 +122,7 @@ def shrink(recipe: ShrinkRecipe, out: Path, *, recipe_dir: Path, recipe_text: st
         force=force, directory=True)
     config = read_config(moe)
     layout, before, kept = _check(moe, config, recipe)
-    ids = _windows(recipe, moe, recipe_dir)  # a bad calibration path fails before any work
+    ids = _windows(recipe, moe, config, recipe_dir)  # a bad calibration path fails before any work
     new_config, notes = shrunk_config(config, layout, kept)
     if kept == before:
         notes.append(f"{kept} of {before} experts kept: nothing removed, routers unchanged")

@@ -20,6 +20,7 @@ from moemerge.merge.dispatch import merge
 from moemerge.merge.registry import REGISTRY
 from moemerge.recipe.shrink import WEIGHTED
 from moemerge.shrink.prune import Grouping
+from moemerge.words import plural
 
 
 def _combined(tensors: list[torch.Tensor], weights: list[float],
@@ -100,6 +101,6 @@ def shrunk_config(config: dict, layout: MoELayout, kept: int) -> tuple[dict, lis
     top_k = int(config.get("num_experts_per_tok", 1))
     if top_k > kept:
         new["num_experts_per_tok"] = kept
-        notes.append(f"num_experts_per_tok {top_k} is more than the {kept} experts kept: "
+        notes.append(f"num_experts_per_tok {top_k} is more than the {plural(kept, 'expert')} kept: "
                      f"clipped to {kept} (every token now goes to every expert)")
     return new, notes

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from moemerge.loading import quiet_transformers
+from moemerge.progress import step_lines
 from moemerge.toy.cache import cached_entry, entry_path
 from moemerge.toy.corpora import DOMAINS, domain_texts
 from moemerge.toy.tokenizer import train_tokenizer
@@ -141,12 +142,21 @@ class ToySet:
 
 @contextmanager
 def progress_bars(enabled: bool) -> Iterator[Callable[[str, int], Callable | None]]:
-    """Yields task(label, total) -> on_step callback (None when progress is off)."""
+    """Yields task(label, total) -> on_step callback (None when progress is off): a bar per
+    task on a terminal, plain lines elsewhere (moemerge.progress)."""
     if not enabled:
         yield lambda label, total: None
         return
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    if not console.is_terminal:  # nothing redraws in a pipe: a line per phase, and now and then
+        def say(line: str) -> None:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+        yield lambda label, total: step_lines(say, f"training {label}", total)
+        return
 
     columns = (
         TextColumn("{task.description:<14}"),
@@ -155,7 +165,7 @@ def progress_bars(enabled: bool) -> Iterator[Callable[[str, int], Callable | Non
         TextColumn("loss {task.fields[loss]:.3f}"),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=Console(stderr=True)) as bar:
+    with Progress(*columns, console=console) as bar:
 
         def task(label: str, total: int):
             tid = bar.add_task(label, total=total, loss=float("nan"))

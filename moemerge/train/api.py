@@ -19,7 +19,7 @@ from moemerge.io.atomic import check_free_space, sweep_output, sweep_stale
 from moemerge.io.outputs import check_output
 from moemerge.io.paths import check_output_apart, working_directory
 from moemerge.io.reader import CheckpointReader
-from moemerge.loading import load_causal_lm
+from moemerge.loading import check_seq_len, load_causal_lm
 from moemerge.modeling import is_merged_experts, is_sequence_routed
 from moemerge.token_blocks import Blocks, make_blocks
 from moemerge.train import checkpoint, distributed, loop, report, sharding
@@ -33,6 +33,7 @@ from moemerge.train.params import (
     router_modules,
     select_trainable,
 )
+from moemerge.words import plural
 
 
 @dataclass
@@ -113,6 +114,7 @@ def _finetune(cfg, ctx, console, on_step, config_file) -> FinetuneResult:
                          label_field=cfg.label_field)
     # FSDP: each rank loads the model on the CPU and moves only its shards to the device
     model, tokenizer = _load(cfg, torch.device("cpu") if ctx.sharded else ctx.device)
+    check_seq_len(cfg.seq_len, "seq_len (--seq-len)", model.config, cfg.model)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     blocks = make_blocks(texts, tokenizer, cfg.seq_len, cfg.eval_fraction)
@@ -136,9 +138,10 @@ def _finetune(cfg, ctx, console, on_step, config_file) -> FinetuneResult:
     if console:
         n = sum(p.numel() for p in trainable)  # a DTensor counts its full size
         how = " (FSDP)" if ctx.sharded else ""
-        console.print(f"training {len(names)} tensors ({n:,} parameters: {', '.join(cfg.train)}) "
-                      f"on {len(blocks.train_ids)} blocks of {cfg.seq_len} tokens, {steps} steps, "
-                      f"{ctx.world} process(es){how} on {ctx.device}")
+        console.print(f"training {plural(len(names), 'tensor')} ({plural(n, 'parameter')}: "
+                      f"{', '.join(cfg.train)}) on {plural(len(blocks.train_ids), 'block')} of "
+                      f"{plural(cfg.seq_len, 'token')}, {plural(steps, 'step')}, "
+                      f"{plural(ctx.world, 'process', 'processes')}{how} on {ctx.device}")
         console.print(report.eval_table(before, title="held-out loss before training"))
         if cfg.fsdp and ctx.world == 1:
             console.print("[yellow]note:[/] --fsdp shards the model over several processes "

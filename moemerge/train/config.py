@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from moemerge.bounds import MAX_BATCH_SIZE, MAX_SEQ_LEN
 from moemerge.errors import RecipeError
 from moemerge.recipe.load import safe_yaml
 
@@ -34,14 +35,14 @@ class TrainConfig(BaseModel):
     train: list[Part] = Field(default=["routers"], min_length=1, description="What to train, "
                               "comma-separated: routers (the default), projectors, "
                               "curvature, or all.")
-    seq_len: int = Field(default=256, ge=2, description="Tokens per block.")
+    seq_len: int = Field(default=256, ge=2, le=MAX_SEQ_LEN, description="Tokens per block.")
     eval_fraction: float = Field(default=0.1, ge=0.0, lt=1.0, description="Held-out share of "
                                  "each domain's blocks (a domain without held-out files).")
     text_field: str = Field(default="text", description="JSONL data: the field holding the text.")
     label_field: str = Field(default="domain", description="JSONL data: the field naming each "
                              "record's domain, when the records have one.")
-    batch_size: int = Field(default=8, ge=1, description="Blocks per optimizer step over all "
-                            "processes.")
+    batch_size: int = Field(default=8, ge=1, le=MAX_BATCH_SIZE, description="Blocks per "
+                            "optimizer step over all processes.")
     grad_accum: int = Field(default=1, ge=1, description="Micro-batches per optimizer step.")
     steps: int | None = Field(default=None, ge=1, description=f"Optimizer steps; default: "
                               f"{DEFAULT_STEPS} (with the default --batch-size and --seq-len, "

@@ -23,6 +23,7 @@ from moemerge.eval.perplexity import perplexity
 from moemerge.execute import Load, compute
 from moemerge.merge.registry import METHOD_SPECS, get
 from moemerge.plan.jobs import Job, Plan, Source
+from moemerge.words import plural
 
 # from the registry: the methods whose `lambda` is tunable (density is tuned where they have one)
 TUNABLE_METHODS = tuple(m.name for m in METHOD_SPECS if "lambda" in m.tunable)
@@ -119,15 +120,16 @@ def check_length(tokenizer, texts: dict[str, str], opts: TuneOptions) -> None:
     """Every domain needs one window of seq_len + 1 tokens, within its share of max_tokens."""
     share = opts.max_tokens // len(texts)
     if share < opts.seq_len + 1:
-        raise RecipeError(f"--tune-max-tokens ({opts.max_tokens}) shared by {len(texts)} domains "
-                          f"of {opts.text} leaves {share} tokens each, fewer than one window of "
+        raise RecipeError(f"--tune-max-tokens ({opts.max_tokens}) shared by "
+                          f"{plural(len(texts), 'domain')} of {opts.text} leaves "
+                          f"{plural(share, 'token')} each, fewer than one window of "
                           f"--tune-seq-len + 1 = {opts.seq_len + 1}")
     for domain, text in texts.items():
         n = len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
         if n < opts.seq_len + 1:
             where = opts.text if len(texts) == 1 else f"{opts.text} ({domain})"
-            raise RecipeError(f"--tune-on: {where} has {n} tokens, fewer than one window of "
-                              f"--tune-seq-len + 1 = {opts.seq_len + 1}")
+            raise RecipeError(f"--tune-on: {where} has {plural(n, 'token')}, fewer than one "
+                              f"window of --tune-seq-len + 1 = {opts.seq_len + 1}")
 
 
 def search(model, tokenizer, texts: dict[str, str], plan: Plan, load: Load, seed: int,

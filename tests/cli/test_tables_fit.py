@@ -19,6 +19,7 @@ import pytest
 from conftest import perturbed_copy
 from rich.console import Console
 
+from moemerge.merge.registry import METHOD_NAMES
 from moemerge.tables import Column, Fitted
 
 WIDTH = 80
@@ -130,8 +131,13 @@ def test_inspect_routing_fits_80_columns(tiny_moe, train_text, tmp_path):
 def test_methods_and_the_dry_run_plan_fit_80_columns(tiny_moe):
     text = cli("methods")
     assert_fits(text)
-    assert "trim_rounding ceil" in text and "rescale expectation" in text  # not broken
-    assert_fits(cli("methods", "ties"))
+    # a line or two per method (with every parameter it was 113 lines): those are `methods NAME`'s
+    assert len(text.splitlines()) <= 50, text
+    assert all(f"│ {name} " in text for name in METHOD_NAMES), text
+    assert "moemerge methods NAME" in " ".join(text.split())
+    ties = cli("methods", "ties")
+    assert_fits(ties)
+    assert "trim_rounding" in ties and "ceil" in ties  # not broken
     plan = in_terminal("build", tiny_moe / "moemerge_recipe.yaml", tiny_moe.parent / "unused",
                        "--dry-run")
     assert_fits(plan)

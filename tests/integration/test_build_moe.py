@@ -4,7 +4,13 @@ import json
 
 import pytest
 import torch
-from conftest import TOKEN_ROUTED_FAMILIES, needs_class, perturbed_copy, write_recipe
+from conftest import (
+    TOKEN_ROUTED_FAMILIES,
+    llama_cpp_note,
+    needs_class,
+    perturbed_copy,
+    write_recipe,
+)
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
@@ -28,6 +34,12 @@ EXPERT_GATE = {
     "mixtral": "model.layers.1.block_sparse_moe.experts.1.w1.weight",
     "granitemoe": "model.layers.1.block_sparse_moe.input_linear.weight",  # [E, 2I, H] gate first
 }
+
+
+def noted(family: str) -> bool:
+    """The builds below route top-k of more experts: for a qwen2_moe output moemerge notes that
+    llama.cpp's graph does not renormalise the top-k weights (transformers does)."""
+    return EXPECTED[family][1] == "qwen2_moe"
 
 
 def logits(path, ids):
@@ -54,7 +66,8 @@ def test_identical_experts_reproduce_the_dense_logits(family, init, model_factor
     dense = model_factory(family)
     recipe = moe_recipe(tmp_path, dense, [p % dense for p in PROMPTS],
                         router=f"{{init: {init}}}", include_base_expert="true")
-    build(recipe, tmp_path / "moe", progress=False)
+    with llama_cpp_note(noted(family)):
+        build(recipe, tmp_path / "moe", progress=False)
 
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(logits(tmp_path / "moe", ids), logits(dense, ids),
@@ -68,7 +81,8 @@ def test_output_layout_config_and_side_files(family, model_factory, tmp_path):
     recipe = moe_recipe(tmp_path, base, experts, experts_per_token=1,
                         output="{max_shard_size: 60KB}")
     out = tmp_path / "moe"
-    build(recipe, out, progress=False)
+    with llama_cpp_note(noted(family)):
+        build(recipe, out, progress=False)
 
     config = json.loads((out / "config.json").read_text())
     arch, model_type = EXPECTED[family]
@@ -92,7 +106,8 @@ def test_output_layout_config_and_side_files(family, model_factory, tmp_path):
     for side in ("tokenizer.json", "moemerge_recipe.yaml", "README.md"):
         assert (out / side).is_file(), side
     card = (out / "README.md").read_text()
-    assert "base_model:" in card and str(experts[0]) in card
+    # local directories are named in the text, never listed as the hub's base_model
+    assert "base_model:" not in card and str(experts[0]) in card
 
     # each expert's FFN arrives untouched under the classic per-expert names
     # (GraniteMoE's are fused: expert 1's gate rows in input_linear[1, :I])
@@ -122,8 +137,9 @@ def test_distinct_experts_match_a_plain_top_k_reference(family, model_factory, t
     experts = [perturbed_copy(base, tmp_path / f"e{i}", scale=0.05, seed=i, only="mlp")
                for i in range(3)]
     out = tmp_path / "moe"
-    build(moe_recipe(tmp_path, base, experts, experts_per_token=2,
-                     router="{init: random, std: 0.5}"), out, progress=False)
+    with llama_cpp_note(noted(family)):
+        build(moe_recipe(tmp_path, base, experts, experts_per_token=2,
+                         router="{init: random, std: 0.5}"), out, progress=False)
     layout = moe_layouts()[EXPECTED[family][1]]
     with safe_open(out / "model.safetensors", "pt") as f:
         routers = [f.get_tensor(layout.router_name(i)) for i in range(2)]

@@ -12,6 +12,9 @@ def test_demo_builds_the_bundled_recipes_and_prints_perplexities(tmp_path, tiny_
     workdir = tmp_path / "demo"
     result = CliRunner().invoke(app, ["demo", "--preset", "tiny", "--workdir", str(workdir)])
     assert result.exit_code == 0, result.output
+    # off a terminal (here, a pipe's case) each build says its stages as plain lines
+    assert result.stderr.count("✓ planning: ") == 3, result.stderr
+    assert "✓ checking the output: loaded in transformers as MixtralForCausalLM" in result.stderr
     for row in ("base", "expert:code", "expert:prose", "expert:math", "merge (ties)", "moe (btx)",
                 "moe (seq_routed)"):
         assert row in result.output

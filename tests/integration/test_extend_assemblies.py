@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import generate_in_fresh_process, perturbed_copy, write_recipe
+from conftest import build_noting, generate_in_fresh_process, perturbed_copy, write_recipe
 from safetensors.torch import load_file, save_file
 from test_extend import ALPHABETS, planted_text, relative, tensors
 from transformers import AutoModelForCausalLM
@@ -48,8 +48,8 @@ def built(sources, name: str, settings: list[str], *, calibrated: bool):
         lines = ["kind: moe", f"base_model: {base}", "experts:",
                  *(f"  - {{model: {experts[d]}, name: {d}}}" for d in ("letters", "digits")),
                  *settings, *([CALIBRATION.format(root=root)] if calibrated else [])]
-        build(write_recipe(root / f"{name}.yaml", "\n".join(lines) + "\n"), two,
-              progress=False)
+        build_noting(write_recipe(root / f"{name}.yaml", "\n".join(lines) + "\n"), two,
+                     progress=False)
     return two
 
 

@@ -11,13 +11,12 @@ import time
 
 import pytest
 import torch
-from conftest import perturbed_copy, write_recipe
+from conftest import build_noting, perturbed_copy, write_recipe
 from safetensors import safe_open
 from test_extend import ALPHABETS, planted_text, tensors
 from test_extend_assemblies import MERGED_DYNAMIC, built
 from typer.testing import CliRunner
 
-from moemerge.api import build
 from moemerge.cli import app
 from moemerge.io.atomic import RECIPE_COPY
 from moemerge.routing.statistics import STATS_FILE
@@ -68,8 +67,8 @@ def remerged_against_rebuild(sources, name: str, settings: list[str], *, calibra
     extended = time.perf_counter() - start
     assert code == 0, out
     start = time.perf_counter()
-    build(write_recipe(root / f"{name}-rebuild.yaml", (three / RECIPE_COPY).read_text()),
-          rebuilt, progress=False)
+    build_noting(write_recipe(root / f"{name}-rebuild.yaml", (three / RECIPE_COPY).read_text()),
+                 rebuilt, progress=False)
     rebuilding = time.perf_counter() - start
     mine, theirs = tensors(three), tensors(rebuilt)
     assert mine.keys() == theirs.keys()
@@ -144,11 +143,13 @@ def test_a_missing_input_of_the_remerge_is_named(sources, tmp_path):
 
 def test_an_expert_of_another_initialisation_is_refused(sources, model_factory, tmp_path):
     """Same family and shapes, another random init: refused with the expert, the tensor and the
-    figures, with and without --keep-shared; with the base gone the check is skipped."""
+    figures, with and without --keep-shared, and before --calibration is asked for (which
+    this expert's text would not have mended); with the base gone the check is skipped."""
     other = model_factory("llama", seed=5)
     two = built(sources, "tok-average", TOKEN_AVERAGE, calibrated=True)
-    for options in ((), ("--keep-shared",)):
-        code, out = extend(sources, two, tmp_path / "out", *options, expert=other)
+    for options, calibrated in (((), True), (("--keep-shared",), True), ((), False)):
+        code, out = extend(sources, two, tmp_path / "out", *options, expert=other,
+                           calibrated=calibrated)
         assert code == 1 and f"--expert {other}" in out and "same base" in out, out
         assert "'model.embed_tokens.weight'" in out and "cosine" in out, out
         print(out)
@@ -183,8 +184,8 @@ def test_qwen2_moe_average_shared_expert_remerge_is_the_rebuild(model_factory, t
                        recalibrated, "--keep-shared", "--recalibrate")
     assert code == 0, out
     rebuilt = tmp_path / "qwen-kept-rebuilt"
-    build(write_recipe(tmp_path / "kept.yaml", (recalibrated / RECIPE_COPY).read_text()),
-          rebuilt, progress=False)
+    build_noting(write_recipe(tmp_path / "kept.yaml", (recalibrated / RECIPE_COPY).read_text()),
+                 rebuilt, progress=False)
     mine, theirs = tensors(recalibrated), tensors(rebuilt)
     # the calibration text is cut by the base's tokenizer, as build cuts it (MOE's copy of it
     # loads as another class under qwen2_moe): the routers are the rebuild's too

@@ -13,7 +13,13 @@ import re
 
 import pytest
 import torch
-from conftest import TOKEN_ROUTED_FAMILIES, needs_class, perturbed_copy, write_recipe
+from conftest import (
+    TOKEN_ROUTED_FAMILIES,
+    build_noting,
+    needs_class,
+    perturbed_copy,
+    write_recipe,
+)
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
@@ -82,8 +88,8 @@ def test_token_routed_expert_is_the_moe_forced_to_it(family, shared, model_facto
     base = model_factory(family)
     refs = experts(tmp_path, base)  # attention and norms perturbed too: merged != base
     moe = tmp_path / "moe"
-    build(moe_recipe(tmp_path, base, refs, experts_per_token=2, shared_expert=shared), moe,
-          progress=False, verify="structure")
+    build_noting(moe_recipe(tmp_path, base, refs, experts_per_token=2, shared_expert=shared),
+                 moe, progress=False, verify="structure")
     got = extract_expert(moe, tmp_path / "prose", expert="prose")
     config = json.loads((tmp_path / "prose" / "config.json").read_text())
     source = json.loads((base / "config.json").read_text())

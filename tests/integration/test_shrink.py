@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 import yaml
-from conftest import TEXT, needs_class, perturbed_copy, write_recipe
+from conftest import TEXT, build_noting, needs_class, perturbed_copy, write_recipe
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
@@ -50,7 +50,7 @@ def make_moe(root, base, count=4, top_k=2, shared="none"):
         "kind: moe", f"base_model: {base}", "experts:", *(f"  - {e}" for e in experts),
         f"experts_per_token: {top_k}", f"shared_expert: {shared}",
         "router: {init: random, std: 0.3}"]) + "\n")
-    build(recipe, root / "moe", progress=False, verify="structure")
+    build_noting(recipe, root / "moe", progress=False, verify="structure")
     return root / "moe"
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 import yaml
-from conftest import needs_class, perturbed_copy, write_recipe
+from conftest import build_noting, needs_class, perturbed_copy, write_recipe
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
@@ -45,7 +45,7 @@ def upcycle(tmp_path, model, out="moe", **fields):
     fields = {"experts": 4, "experts_per_token": 2, **fields}
     text = f"kind: upcycle\nmodel: {model}\n" + "".join(f"{k}: {v}\n" for k, v in fields.items())
     recipe = write_recipe(tmp_path / f"{out}.yaml", text)
-    build(recipe, tmp_path / out, progress=False)
+    build_noting(recipe, tmp_path / out, progress=False)
     return tmp_path / out
 
 

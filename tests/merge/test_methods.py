@@ -130,7 +130,7 @@ def test_average_ignores_base():
     ({"method": "task_arithmetic", "base": None}, "task_arithmetic needs a base"),
     ({"method": "ties", "density": 0.0}, r"density must be in \(0, 1\]"),
     ({"method": "dare_ties", "density": 1.5}, r"density must be in \(0, 1\]"),
-    ({"method": "average", "weights": [1.0]}, "1 weights for 2 models"),
+    ({"method": "average", "weights": [1.0]}, "1 weight for 2 models"),
     ({"method": "average", "weights": [0.0, 0.0]}, "sum to 0"),
     ({"method": "ties", "weights": [1.0, -2.0]}, "ties takes no negative weight"),
     ({"method": "ties", "weights": [0.0, 0.0]}, "sum to 0"),

@@ -85,7 +85,7 @@ def test_passthrough_scales_its_one_tensor():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"method": "ties", "lambda": [1.0, 2.0]}, "lambda takes one value for all models"),
-    ({"method": "ties", "density": [0.5]}, "1 per-model values for 2 models"),
+    ({"method": "ties", "density": [0.5]}, "1 per-model value for 2 models"),
     ({"method": "ties", "density": [0.5, 0.0]}, r"density must be in \(0, 1\]"),
     ({"method": "dare_ties", "weights": [1.0, -0.5]}, "dare_ties takes no negative weight"),
     ({"method": "multislerp", "weights": [1.0, -0.5]}, "multislerp takes no negative weight"),

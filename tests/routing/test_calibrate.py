@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import perturbed_copy, write_recipe
+from conftest import build_noting, perturbed_copy, write_recipe
 
 from moemerge.analysis.routing import load_moe, routing_report
 from moemerge.api import build
@@ -161,8 +161,8 @@ def test_calibrate_fits_every_token_routed_layouts_routers(layout, model_factory
     recipe = write_recipe(tmp_path / "r.yaml", "\n".join(lines) + "\n" + extra)
     random = write_recipe(tmp_path / "random.yaml", recipe.read_text().replace(
         "router: {init: calibrate}", "router: {init: random}").split("calibration:")[0] + extra)
-    build(recipe, tmp_path / "moe", progress=False)
-    build(random, tmp_path / "random", progress=False, verify="structure")
+    build_noting(recipe, tmp_path / "moe", progress=False)
+    build_noting(random, tmp_path / "random", progress=False, verify="structure")
     written, placeholder = load_file(tmp_path / "moe" / "model.safetensors"), \
         load_file(tmp_path / "random" / "model.safetensors")
     config = json.loads((tmp_path / "moe" / "config.json").read_text())

@@ -11,7 +11,7 @@ without it the new expert has its ordinary weight and extend merges those tensor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -21,6 +21,7 @@ from moemerge.io.atomic import RECIPE_COPY
 from moemerge.loading import read_recipe_copy
 from moemerge.recipe.load import parse_recipe
 from moemerge.recipe.models import MoERecipe
+from moemerge.words import plural
 
 REBUILD = "rebuild it with `router.init: calibrate` (a `calibration` block, one text per expert)"
 
@@ -58,41 +59,47 @@ def built_recipe(moe: Path) -> tuple[dict, MoERecipe]:
     return data, recipe
 
 
-def new_experts(paths: list[Path], names: list[str] | None, texts: list[str] | None,
-                old: list[str], *, need_text: bool = True) -> list[NewExpert]:
-    """Each --expert with its name (--name, else its directory's) and its calibration text
-    (--calibration: `name=path`, or one bare path per expert in order). need_text=False: the
-    routers are not calibrated, and --calibration is refused."""
+def new_experts(paths: list[Path], names: list[str] | None, old: list[str]
+                ) -> list[NewExpert]:
+    """Each --expert with its name (--name, else its directory's), no text yet: what the
+    checks against the MoE need, before any --calibration is asked for (`with_texts`)."""
     if not paths:
         raise RecipeError("give at least one --expert PATH")
     names = list(names or [Path(p).resolve().name for p in paths])
     if len(names) != len(paths):
-        raise RecipeError(f"--name: {len(names)} names for {len(paths)} --expert models")
+        raise RecipeError(f"--name: {plural(len(names), 'name')} for "
+                          f"{plural(len(paths), '--expert model')}")
     taken = [n for n in names if n in old or names.count(n) > 1]
     if taken:
         raise RecipeError(f"--name: {', '.join(sorted(set(taken)))} already names an expert "
                           f"(experts: {', '.join(old)}); give each new expert a new --name")
+    _check_dirs(paths)
+    return [NewExpert(n, Path(p).resolve(), "") for n, p in zip(names, paths, strict=True)]
+
+
+def with_texts(new: list[NewExpert], texts: list[str] | None, *, need_text: bool = True
+               ) -> list[NewExpert]:
+    """`new` with each expert's calibration text (--calibration: `name=path`, or one bare path
+    per expert in order). need_text=False: the routers are not calibrated, and --calibration
+    is refused."""
     if not need_text:
         if texts:
             raise RecipeError("--calibration: this MoE's routers are not calibrated (no "
                               "`calibration` block in its recipe copy), so no text is read; "
                               "leave --calibration out")
-        _check_dirs(paths)
-        return [NewExpert(n, Path(p).resolve(), "") for n, p in zip(names, paths, strict=True)]
+        return new
     given = list(texts or [])
     named = dict(t.split("=", 1) for t in given if "=" in t)
     bare = [t for t in given if "=" not in t]
-    if bare and len(bare) != len(paths):
-        raise RecipeError(f"--calibration: {len(bare)} texts without a name for {len(paths)} "
-                          "experts; give NAME=PATH for each")
-    by_name = named | dict(zip(names, bare, strict=False))
-    missing = [n for n in names if n not in by_name]
+    if bare and len(bare) != len(new):
+        raise RecipeError(f"--calibration: {plural(len(bare), 'text')} without a name for "
+                          f"{plural(len(new), 'expert')}; give NAME=PATH for each")
+    by_name = named | dict(zip([e.name for e in new], bare, strict=False))
+    missing = [e.name for e in new if e.name not in by_name]
     if missing:
         raise RecipeError(f"--calibration: no text for {', '.join(missing)}: the routers are "
                           "refitted on each new expert's own text (--calibration NAME=PATH)")
-    _check_dirs(paths)
-    return [NewExpert(n, Path(p).resolve(), str(Path(by_name[n]).resolve()))
-            for n, p in zip(names, paths, strict=True)]
+    return [replace(e, text=str(Path(by_name[e.name]).resolve())) for e in new]
 
 
 def _check_dirs(paths: list[Path]) -> None:

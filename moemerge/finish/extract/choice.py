@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from moemerge.errors import RecipeError
+from moemerge.words import plural
 
 
 def expert_index(given: str, names: list[str]) -> int:
@@ -27,7 +28,8 @@ def routing_weights(text: str, names: list[str]) -> list[float]:
         raise RecipeError(f"--weights {text!r}: give {len(names)} numbers separated by "
                           "commas") from None
     if len(weights) != len(names):
-        raise RecipeError(f"--weights: {len(weights)} numbers for {len(names)} experts "
+        raise RecipeError(f"--weights: {plural(len(weights), 'number')} for "
+                          f"{plural(len(names), 'expert')} "
                           f"({', '.join(names)})")
     if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
         raise RecipeError(f"--weights {text!r}: the weights must be finite, not negative, and "

@@ -14,10 +14,15 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from moemerge.bounds import MAX_STAGES
 from moemerge.errors import RecipeError
 from moemerge.recipe.load import parse_recipe
 from moemerge.recipe.mergekit.dense import convert_yaml
 from moemerge.recipe.mergekit.moe import convert_moe
+from moemerge.recipe.mergekit.problems import Problems
+from moemerge.recipe.tree import replaced
+
+MAX_DOCUMENTS = MAX_STAGES  # a document per stage
 
 
 @dataclass
@@ -36,43 +41,46 @@ def convert_documents(documents: list, source: str = "<config>") -> Imported:
         raise RecipeError(f"{source}: holds no config")
     if len(documents) == 1:
         return convert(documents[0], source)
+    if len(documents) > MAX_DOCUMENTS:
+        raise RecipeError(f"{source}: {len(documents)} documents; a mergekit-multi config has "
+                          f"at most {MAX_DOCUMENTS} documents (each a stage, a whole model "
+                          "built in turn)")
     if any(not isinstance(d, dict) for d in documents):
         i = next(i for i, d in enumerate(documents) if not isinstance(d, dict))
         raise RecipeError(f"{source}, document {i + 1}: not a mergekit config (a YAML mapping)")
-    documents = _out_paths_named(documents)
-    stages, notes = [], []
+    documents = _out_paths_named(documents, source)
+    stages, notes, problems = [], [], Problems()
     for i, document in enumerate(documents):
-        where = f"{source}, document {i + 1}"
-        name = document.get("name")
-        if name is not None and not isinstance(name, str):
-            raise RecipeError(f"{where}: name: a stage name is a string, got {name!r}")
-        one = convert({k: v for k, v in document.items() if k != "name"}, where)
-        stages.append({**({"name": name} if name else {}), "recipe": one.recipe})
-        notes += [f"{name or 'the output stage'}: {note}" for note in one.notes]
+        with problems.check():  # every document's problems at once
+            where = f"{source}, document {i + 1}"
+            name = document.get("name")
+            if name is not None and not isinstance(name, str):
+                raise RecipeError(f"{where}: name: a stage name is a string, got {name!r}")
+            one = convert({k: v for k, v in document.items() if k != "name"}, where)
+            stages.append({**({"name": name} if name else {}), "recipe": one.recipe})
+            notes += [f"{name or 'the output stage'}: {note}" for note in one.notes]
+    problems.raise_any()
     recipe = {"kind": "stages", "stages": stages}
     parse_recipe(recipe, f"{source} (imported)")
     return Imported("mergekit-multi", recipe, notes)
 
 
-def _out_paths_named(documents: list[dict]) -> list[dict]:
+def _out_paths_named(documents: list[dict], source: str) -> list[dict]:
     """mergekit-mega's form of a multi-document config: each document writes to its
     `out_path`, and later ones read that path. Each becomes a stage named after the path's last
     part (the last document the output), and every reference to the path that name."""
     paths = [d.get("out_path") for d in documents]
     if not any(paths):
         return documents
-    names = {path: str(path).rstrip("/").rsplit("/", 1)[-1] for path in paths[:-1] if path}
-
-    def renamed(value):
-        if isinstance(value, dict):
-            return {k: renamed(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [renamed(v) for v in value]
-        return names.get(value, value) if isinstance(value, str) else value
-
+    for i, path in enumerate(paths):
+        if path is not None and not isinstance(path, str):
+            raise RecipeError(f"{source}, document {i + 1}: out_path: a path is a string, got "
+                              f"{str(path)[:60]!r}")
+    names = {path: path.rstrip("/").rsplit("/", 1)[-1] for path in paths[:-1] if path}
     out = []
     for i, document in enumerate(documents):
-        document = renamed({k: v for k, v in document.items() if k != "out_path"})
+        document = replaced({k: v for k, v in document.items() if k != "out_path"},
+                            lambda _key, text: names.get(text, text))
         if paths[i] and i < len(documents) - 1 and "name" not in document:
             document["name"] = names[paths[i]]
         out.append(document)

@@ -21,6 +21,7 @@ from moemerge.recipe.mergekit.params import (
     own_setting,
     read_per_model,
 )
+from moemerge.recipe.mergekit.problems import Problems
 
 KEYS = {"merge_method", "base_model", "models", "slices", "parameters", "dtype", "out_dtype",
         "tokenizer_source", "tokenizer", "chat_template", "name", "modules"}
@@ -41,14 +42,25 @@ class Input:
 
 
 def convert_yaml(data: dict, notes: list[str]) -> dict:
-    unknown = sorted(set(data) - KEYS)
-    if unknown:
-        raise RecipeError(f"{', '.join(unknown)}: not a mergekit-yaml key moemerge knows")
-    if data.get("modules"):
-        raise RecipeError("modules: per-module configs (multimodal models) cannot be imported")
-    if data.get("tokenizer") and data.get("tokenizer_source"):
-        raise RecipeError("tokenizer_source: give it or `tokenizer:`, not both (as mergekit)")
-    method = moemerge_method(data.get("merge_method", ""))
+    problems = Problems()
+    with problems.check():
+        unknown = sorted(set(data) - KEYS)
+        if unknown:
+            raise RecipeError(f"{', '.join(unknown)}: not a mergekit-yaml key moemerge knows")
+    with problems.check():
+        if data.get("modules"):
+            raise RecipeError("modules: per-module configs (multimodal models) cannot be "
+                              "imported")
+    with problems.check():
+        if data.get("tokenizer") and data.get("tokenizer_source"):
+            raise RecipeError("tokenizer_source: give it or `tokenizer:`, not both (as mergekit)")
+    with problems.check():
+        dtype = data.get("out_dtype") or data.get("dtype")
+        if dtype and dtype not in DTYPES:
+            raise RecipeError(f"dtype: {dtype!r} is not one of {', '.join(sorted(DTYPES))}")
+    with problems.check():
+        method = moemerge_method(data.get("merge_method", ""))
+    problems.raise_any()  # what follows needs the method
     spec = REGISTRY[method]
     base = model_ref(data["base_model"]) if data.get("base_model") else None
     merge: dict = {"method": method}
@@ -62,20 +74,23 @@ def convert_yaml(data: dict, notes: list[str]) -> dict:
         elif name in PER_MODEL:
             shared[name] = value
         elif spec.param(name) is None:
-            raise RecipeError(f"{where}: {method} in moemerge takes no {name!r} (it takes "
-                              f"{', '.join(p.name for p in spec.params) or 'no parameters'})")
+            problems.found.append(
+                f"{where}: {method} in moemerge takes no {name!r} (it takes "
+                f"{', '.join(p.name for p in spec.params) or 'no parameters'})")
         else:
-            carry(merge, name, conditions(value, where), where)
+            with problems.check():
+                carry(merge, name, conditions(value, where), where)
     recipe: dict = {"kind": "merge"}
     if data.get("name"):
         recipe["name"] = data["name"]
     sliced = bool(data.get("slices"))
     if sliced:
-        slices = [_slice(s, i, base, spec, notes) for i, s in enumerate(data["slices"])]
+        slices = problems.each(data["slices"], lambda i, s: _slice(s, i, base, spec, notes))
         inputs = [i for s in slices for i in s]
     else:
         inputs = _models(data.get("models") or [], base, spec, notes)
-    entries = [_entry(i, shared, method, sliced, notes) for i in inputs]
+    entries = problems.each(inputs, lambda _, i: _entry(i, shared, method, sliced, notes))
+    problems.raise_any()
     if sliced:
         counts = iter(entries)
         recipe["slices"] = [{"sources": [next(counts) for _ in s]} for s in slices]
@@ -95,8 +110,6 @@ def convert_yaml(data: dict, notes: list[str]) -> dict:
     recipe["merge"] = merge
     dtype = data.get("out_dtype") or data.get("dtype")
     if dtype:
-        if dtype not in DTYPES:
-            raise RecipeError(f"dtype: {dtype!r} is not one of {', '.join(sorted(DTYPES))}")
         recipe["output"] = {"dtype": dtype}
     if data.get("dtype") not in (None, "float32"):
         notes.append(f"dtype: mergekit computes in {data['dtype']}; moemerge always computes "
@@ -213,12 +226,30 @@ def _tokenizer(data: dict, notes: list[str]) -> dict | None:
         raise RecipeError(f"tokenizer.{unknown[0]}: not a key of mergekit's tokenizer config")
     source = given.get("source", "union")
     out: dict = {"source": source if source in ("union", "base") else model_ref(source)["model"]}
-    tokens = {str(t): _token_source(t, entry) for t, entry in (given.get("tokens") or {}).items()}
+    tokens = _tokens(given.get("tokens") or {})
     if tokens:
         out["tokens"] = tokens
     if given.get("pad_to_multiple_of") is not None:
         out["pad_to_multiple_of"] = given["pad_to_multiple_of"]
     return out
+
+
+def _tokens(given: object) -> dict[str, dict]:
+    """`tokenizer.tokens`: each token a non-empty string, given once (`1:` and `"1":` are the
+    same token to a tokenizer; YAML's own repeated keys are refused as the file is read)."""
+    if not isinstance(given, dict):
+        raise RecipeError("tokenizer.tokens: a mapping of tokens to {source, force}")
+    tokens: dict[str, dict] = {}
+    for token, entry in given.items():
+        if token is None or token == "":
+            raise RecipeError("tokenizer.tokens: an empty token (\"\"); a token added to the "
+                              "vocabulary is at least one character")
+        text = str(token)
+        if text in tokens:
+            raise RecipeError(f"tokenizer.tokens.{text[:80]}: the token is listed twice "
+                              f"({text[:80]!r}); list each token once")
+        tokens[text] = _token_source(text, entry)
+    return tokens
 
 
 def _token_source(token: str, entry) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from moemerge.errors import RecipeError
 from moemerge.recipe.mergekit.params import model_ref
+from moemerge.recipe.mergekit.problems import Problems
 
 KEYS = {"base_model", "experts", "gate_mode", "dtype", "experts_per_token", "shared_experts",
         "architecture", "tokenizer", "tokenizer_source", "name"}
@@ -22,22 +23,29 @@ ARCHITECTURES = {None: None, "mixtral": "mixtral", "deepseek": "deepseek", "qwen
 
 
 def convert_moe(data: dict, notes: list[str]) -> dict:
-    unknown = sorted(set(data) - KEYS)
-    if unknown:
-        raise RecipeError(f"{', '.join(unknown)}: not a mergekit-moe key moemerge knows")
+    problems = Problems()
+    with problems.check():
+        unknown = sorted(set(data) - KEYS)
+        if unknown:
+            raise RecipeError(f"{', '.join(unknown)}: not a mergekit-moe key moemerge knows")
+    with problems.check():
+        if data.get("tokenizer"):
+            raise RecipeError("tokenizer: vocabulary surgery cannot be imported")
+    gate = data.get("gate_mode", "hidden")
+    with problems.check():
+        if gate not in GATES:
+            raise RecipeError(f"gate_mode: {gate!r} is not one of {', '.join(GATES)}")
+    experts = problems.each(data.get("experts") or [], lambda i, e: _expert(e, i))
     architecture = data.get("architecture")
     if isinstance(architecture, str):
         architecture = architecture.lower()
-    if architecture not in ARCHITECTURES:
-        raise RecipeError(f"architecture: {data['architecture']!r} is not one of mergekit-moe's "
-                          "outputs moemerge writes: " + ", ".join(a for a in ARCHITECTURES if a))
-    shared, layout = _shared_expert(data, architecture)
-    if data.get("tokenizer"):
-        raise RecipeError("tokenizer: vocabulary surgery cannot be imported")
-    gate = data.get("gate_mode", "hidden")
-    if gate not in GATES:
-        raise RecipeError(f"gate_mode: {gate!r} is not one of {', '.join(GATES)}")
-    experts = [_expert(e, i) for i, e in enumerate(data.get("experts") or [])]
+    with problems.check():
+        if architecture not in ARCHITECTURES:
+            raise RecipeError(f"architecture: {data['architecture']!r} is not one of "
+                              "mergekit-moe's outputs moemerge writes: "
+                              + ", ".join(a for a in ARCHITECTURES if a))
+        shared, layout = _shared_expert(data, architecture)
+    problems.raise_any()
     router: dict = {"init": GATES[gate]}
     if gate == "random":
         router["std"] = 1.0
