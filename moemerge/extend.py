@@ -30,6 +30,7 @@ from types import SimpleNamespace
 import torch
 
 from moemerge.analysis.routing import expert_labels
+from moemerge.architectures.forms import layout_of
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.eval.perplexity import load_tokenizer
 from moemerge.finish.extend import merged, seq_routed
@@ -47,7 +48,6 @@ from moemerge.finish.extend.recipe import (
 from moemerge.finish.extend.remerge import Remerge, plan_remerge
 from moemerge.finish.extend.same_base import check_same_base, local_base
 from moemerge.finish.extend.tensors import check_expert, extended_tensors
-from moemerge.finish.extract.token_routed import token_layout
 from moemerge.finish.gguf import too_many_experts
 from moemerge.finish.remote_code import copy_modeling_code
 from moemerge.finish.verify import FULL_LOAD_LIMIT, check_loads
@@ -103,7 +103,7 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
     experts, which implies recalibrate."""
     moe, out = Path(moe), Path(out)
     config = read_config(moe)
-    layout = token_layout(config)
+    layout = layout_of(config)
     if layout is None:
         return _extend_assembly(moe, out, experts, config, names=names,
                                 calibration=calibration, keep_shared=keep_shared,
@@ -114,11 +114,11 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
     remerging = bool(changing) and not keep_shared
     calibrating = recalibrate or remerging  # a re-merge changes every hidden state
     stored, windows = (None, 0) if calibrating else _stored_statistics(
-        moe, config, layout.num_experts_key)
-    old = expert_labels(moe, int(config[layout.num_experts_key]))
+        moe, config, layout.experts_key(config))
+    old = expert_labels(moe, layout.expert_count(config))
     new = new_experts(experts, names, old)
     labels = [SimpleNamespace(label=name) for name in [*old, *(e.name for e in new)]]
-    grown = dict(config, **{layout.num_experts_key: len(labels)})
+    grown = dict(config, **{layout.experts_key(config): len(labels)})
     with CheckpointReader(moe) as reader, ExitStack() as stack:
         readers = [stack.enter_context(CheckpointReader(e.path)) for e in new]
         for e, r in zip(new, readers, strict=True):

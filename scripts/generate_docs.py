@@ -24,7 +24,7 @@ import click
 import typer.main
 from pydantic import BaseModel
 
-from moemerge.architectures.tables import dense_families, moe_layouts
+from moemerge.architectures.tables import built_layouts, dense_families, moe_layouts
 from moemerge.cli import app
 from moemerge.merge.reference import methods_table
 from moemerge.recipe.kinds import KINDS
@@ -151,7 +151,7 @@ def recipe_reference() -> str:
 
 
 def kinds_table() -> str:
-    token_layouts = ", ".join(f"`{name}`" for name in moe_layouts())
+    token_layouts = ", ".join(f"`{name}`" for name in built_layouts())
     output = {"merge": "a dense model of the sources' family",
               "token_routed": token_layouts, "upcycle": token_layouts,
               "shrink": "the input MoE's layout", "stages": "the last stage's"}

@@ -114,6 +114,13 @@ class MoELayout:
     config: dict = field(default_factory=dict)  # fixed config.json settings
     fused: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> projections
     fused_shared: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # transformers 5's names: fused name -> the projections it stacks per expert, or the one
+    # classic name it renames (architectures/forms.py)
+    fused_form: dict[str, tuple[str, ...] | str] = field(default_factory=dict)
+    num_experts_aliases: tuple[str, ...] = ()  # the count's key in other transformers versions
+    builds: bool = True  # False: read (merge, shrink, finetune ...) but written by no recipe
+    router_bias: str | None = None  # DeepSeek-V3's per-expert routing bias [E]
+    dense_layers_key: str | None = None  # config key: the first N layers have a dense FFN
 
     def expert_name(self, layer: int, expert: int, proj: str) -> str:
         return self.expert.format(layer=layer, expert=expert, proj=self.projections[proj])
@@ -124,6 +131,16 @@ class MoELayout:
 
     def router_name(self, layer: int) -> str:
         return self.router.format(layer=layer)
+
+    def experts_key(self, config: dict) -> str:
+        """The key of `config` that holds its expert count: the layout's own, else the alias a
+        transformers version saved it under (transformers 5 saves Qwen3-MoE's as
+        num_local_experts)."""
+        return next((key for key in (self.num_experts_key, *self.num_experts_aliases)
+                     if key in config), self.num_experts_key)
+
+    def expert_count(self, config: dict) -> int:
+        return int(config[self.experts_key(config)])
 
 
 _LAYER_NAME = re.compile(r"model\.layers\.(?P<layer>\d+)\.(?P<rest>.+)")
@@ -162,13 +179,19 @@ def dense_families() -> dict[str, DenseFamily]:
 @cache
 def moe_layouts() -> dict[str, MoELayout]:
     def layout(name: str, spec: dict) -> MoELayout:
-        tuples = {key: tuple(spec[key]) for key in ("copied_config", "zero_biases")
+        tuples = {key: tuple(spec[key]) for key in ("copied_config", "zero_biases",
+                                                    "num_experts_aliases")
                   if key in spec}
-        fused = {key: {n: tuple(p) for n, p in spec[key].items()}
-                 for key in ("fused", "fused_shared") if key in spec}
+        fused = {key: {n: p if isinstance(p, str) else tuple(p) for n, p in spec[key].items()}
+                 for key in ("fused", "fused_shared", "fused_form") if key in spec}
         return MoELayout(name=name, **{**spec, **tuples, **fused})
 
     return {name: layout(name, spec) for name, spec in _load("moe.yaml").items()}
+
+
+def built_layouts() -> dict[str, MoELayout]:
+    """The layouts a recipe's `layout:` may name (those moemerge only reads excluded)."""
+    return {name: layout for name, layout in moe_layouts().items() if layout.builds}
 
 
 def expert_count_keys() -> tuple[str, ...]:

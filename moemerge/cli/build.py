@@ -188,7 +188,7 @@ def validate(
 def _input_problems(recipe, path: Path) -> tuple[list[str], list[str]]:
     """(what `build` would refuse before reading any weights: local model directories that do
     not exist, an unknown output layout; the hub ids, which only the hub can check)."""
-    from moemerge.architectures.tables import moe_layouts
+    from moemerge.architectures.tables import built_layouts
     from moemerge.io.resolve import looks_like_path
     from moemerge.recipe.diagnose import did_you_mean
     from moemerge.recipe.kinds import labelled_refs
@@ -207,7 +207,7 @@ def _input_problems(recipe, path: Path) -> tuple[list[str], list[str]]:
             problems.append(f"model {label}: no directory {ref.model} (looked next to the "
                             f"recipe, in {near}, and in the working directory)")
     layout = getattr(recipe, "layout", None)
-    if layout is not None and layout not in moe_layouts():
-        problems.append(f"layout: {layout!r} is not one of {', '.join(moe_layouts())}"
-                        f"{did_you_mean(layout, list(moe_layouts()))}")
+    if layout is not None and layout not in built_layouts():
+        problems.append(f"layout: {layout!r} is not one of {', '.join(built_layouts())}"
+                        f"{did_you_mean(layout, list(built_layouts()))}")
     return problems, hub

@@ -62,7 +62,7 @@ def check_layout_converts(config: dict) -> None:
     layout = next((lay for lay in layouts if lay.architecture == architecture), None)
     if layout is not None and not layout.llama_cpp_converts:
         converts = ", ".join(f"{lay.name} ({lay.architecture})" for lay in layouts
-                             if lay.llama_cpp_converts)
+                             if lay.llama_cpp_converts and lay.builds)
         raise RecipeError(f"--gguf: llama.cpp's converter does not know the {layout.name} "
                           f"layout ({architecture}); it converts dense merges, upcycles and "
                           f"these token-routed layouts: {converts}. Build without --gguf, or "

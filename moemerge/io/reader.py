@@ -2,10 +2,12 @@
 
 Safetensors headers are parsed by hand (8-byte little-endian length, then JSON), so planning a
 build reads no tensor data and a truncated or corrupt file is caught before any work starts.
-Tensor data is read with pread (`os.preadv`) straight into each tensor's own memory, through
-file descriptors kept in a small LRU (`max_open_files`); nothing is memory-mapped, so a model
-streamed through does not count in RSS (see `_RawFile`). Pickled .bin files (--allow-pickle)
-are the exception: `torch.load(mmap=True)`, each tensor copied out of the mapping.
+An MoE stored fused (transformers 5's names) is shown in the classic form, each expert a byte
+range of its stack (architectures/forms.py). Tensor data is read with pread (`os.preadv`)
+straight into each tensor's own memory, through file descriptors kept in a small LRU
+(`max_open_files`); nothing is memory-mapped, so a model streamed through does not count in
+RSS (see `_RawFile`). Pickled .bin files (--allow-pickle) are the exception:
+`torch.load(mmap=True)`, each tensor copied out of the mapping.
 
 A tensor that goes to the output unchanged is not read at all: `stored(name)` gives its byte
 range, the writer has the kernel copy it (io/writer.py), and `count_non_finite_stored` checks
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 from moemerge import buffers
+from moemerge.architectures.forms import classic_view
 from moemerge.errors import CheckpointError
 from moemerge.io import jsontext
 from moemerge.io.paths import check_no_link_loops, check_tree_confined, confined
@@ -217,6 +220,9 @@ class CheckpointReader:
                     raise CheckpointError(
                         f"tensor {name!r} is in both {self.metas[name].file} and {file}")
                 self.metas[name] = meta
+        # an MoE in transformers 5's fused form is read under its classic names; `form` says
+        # which it is on disk (None: not an MoE layout moemerge knows)
+        self.form, self.metas = classic_view(self.config, self.metas, str(self.directory))
 
     def _weight_files(self) -> list[Path]:
         """The weight files, each inside the directory (links resolved; a hub snapshot's

@@ -26,9 +26,16 @@ from pathlib import Path
 
 import torch
 
+from moemerge.architectures.forms import classic_view
 from moemerge.errors import CheckpointError, OutputError
 from moemerge.io.atomic import NO_SPACE, NoSpaceLeft
-from moemerge.io.reader import DTYPES, SAFETENSORS_INDEX, TensorMeta, read_safetensors_header
+from moemerge.io.reader import (
+    DTYPES,
+    SAFETENSORS_INDEX,
+    TensorMeta,
+    read_config,
+    read_safetensors_header,
+)
 from moemerge.merge.primitives import count_non_finite
 from moemerge.words import plural
 
@@ -259,6 +266,8 @@ def overwrite_tensors(directory: Path, tensors: dict[str, torch.Tensor]) -> None
     metas = {}
     for file in sorted(directory.glob("*.safetensors")):
         metas |= read_safetensors_header(file)
+    if (directory / "config.json").is_file():  # an MoE stored fused: its classic names
+        _, metas = classic_view(read_config(directory), metas, str(directory))
     for name, tensor in tensors.items():
         if name not in metas:
             raise OutputError(f"tensor {name!r} is not in {directory}")

@@ -17,10 +17,11 @@ from typing import ClassVar
 
 import yaml
 
+from moemerge.architectures.forms import layout_of, moe_names
 from moemerge.data import read_domains
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.eval.perplexity import load_tokenizer
-from moemerge.finish.extract.token_routed import token_layout
+from moemerge.finish.extract.plan import written_in
 from moemerge.finish.verify import FULL_LOAD_LIMIT, check_loads
 from moemerge.io.atomic import (
     RECIPE_COPY,
@@ -72,13 +73,12 @@ def input_model(recipe: ShrinkRecipe, recipe_dir: Path) -> Path:
 
 def _check(moe: Path, config: dict, recipe: ShrinkRecipe):
     """(layout, experts per layer, K): refuses a dense model and a K the MoE cannot have."""
-    layout = token_layout(config)
+    layout = layout_of(config)
     if layout is None:
         raise CheckpointError(
             f"{moe}: model_type {config.get('model_type')!r} is not a token-routed MoE "
-            "(Mixtral, Qwen2-MoE, Qwen3-MoE, FlexOlmo, GraniteMoE); shrink removes experts "
-            "from one of those")
-    before = int(config[layout.num_experts_key])
+            f"({moe_names()}); shrink removes experts from one of those")
+    before = layout.expert_count(config)
     kept = recipe.kept(before)
     if kept > before:
         raise RecipeError(f"experts: {kept} is more than the {before} experts per layer of "
@@ -133,7 +133,8 @@ def shrink(recipe: ShrinkRecipe, out: Path, *, recipe_dir: Path, recipe_text: st
             del model
         groupings = _groupings(stats, recipe, kept)
         check_group_sizes(groupings, recipe.merge_method)
-        tensors = shrunk_tensors(reader, layout, groupings, recipe.merge_method)
+        tensors = written_in(reader.form, layout,  # a fused input is written back fused
+                             shrunk_tensors(reader, layout, groupings, recipe.merge_method))
         size = sum(t.dtype.itemsize * math.prod(t.shape) for t in tensors)
         with atomic_output_dir(out, force=force, size=size) as tmp:
             with stage("writing"):

@@ -127,7 +127,7 @@ def collect_stats(model, reader: CheckpointReader, layout: MoELayout, config: di
     every token's routing is kept in the order `routing.calibrate` captures router inputs."""
     from transformers.activations import ACT2FN
 
-    num_experts = int(config[layout.num_experts_key])
+    num_experts = layout.expert_count(config)
     top_k = int(config.get("num_experts_per_tok", 2))
     act = ACT2FN[config.get("hidden_act", "silu")]
     renorm = renormalises(layout, config)

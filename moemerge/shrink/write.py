@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from moemerge.architectures.forms import name_pattern
 from moemerge.architectures.tables import MoELayout
 from moemerge.errors import RecipeError
 from moemerge.finish.extract.plan import DenseTensor, Extraction
-from moemerge.finish.extract.token_routed import name_pattern
 from moemerge.io.reader import CheckpointReader
 from moemerge.merge.dispatch import merge
 from moemerge.merge.registry import REGISTRY
@@ -62,7 +62,7 @@ def shrunk_tensors(reader: CheckpointReader, layout: MoELayout, groupings: dict[
     """Every output tensor, in the input's order (a layer's new experts where its old ones
     were); a group's experts combined by `method` (the recipe's merge_method)."""
     expert = name_pattern(layout.expert)
-    router = name_pattern(layout.router)
+    routers = [name_pattern(t) for t in (layout.router, layout.router_bias) if t]
     fused = [name_pattern(t) for t in layout.fused]
     on_disk = {disk: proj for proj, disk in layout.projections.items()}
     out = Extraction({})
@@ -80,10 +80,9 @@ def shrunk_tensors(reader: CheckpointReader, layout: MoELayout, groupings: dict[
                     out.tensors.append(DenseTensor(layout.expert_name(layer, j, proj),
                                                    meta.dtype, meta.shape, make))
             continue
-        match = router.fullmatch(name) or next((m for p in fused if (m := p.fullmatch(name))),
-                                               None)
+        match = next((m for p in [*routers, *fused] if (m := p.fullmatch(name))), None)
         if match and int(match["layer"]) in groupings:
-            grouping, is_router = groupings[int(match["layer"])], match.re is router
+            grouping, is_router = groupings[int(match["layer"])], match.re in routers
             out.tensors.append(DenseTensor(
                 name, meta.dtype, (grouping.kept, *meta.shape[1:]),
                 lambda name=name, g=grouping, r=is_router: _rows(reader.read(name), g, r,
@@ -96,7 +95,7 @@ def shrunk_tensors(reader: CheckpointReader, layout: MoELayout, groupings: dict[
 def shrunk_config(config: dict, layout: MoELayout, kept: int) -> tuple[dict, list[str]]:
     """(config.json of the shrunk MoE, notes): the expert count set to K, experts_per_token
     clipped to K."""
-    new = {**config, layout.num_experts_key: kept}
+    new = {**config, layout.experts_key(config): kept}
     notes = []
     top_k = int(config.get("num_experts_per_tok", 1))
     if top_k > kept:

@@ -2,9 +2,10 @@
 
 The source is re-read tensor by tensor with its own names, dtypes and order: a trained tensor is
 written from the in-memory parameter (mapped back to its on-disk name, cast to the source
-dtype), every other one from the source's bytes, so untrained tensors are bitwise unchanged and
-classic per-expert names are kept. config.json, tokenizer, model card, remote code (*.py) and
-every other side file are copied as they are. Written through `atomic_output_dir`.
+dtype), every other one from the source's bytes, so untrained tensors are bitwise unchanged, and
+classic per-expert names stay classic, fused stacks fused. config.json, tokenizer, model card,
+remote code (*.py) and every other side file are copied as they are. Written through
+`atomic_output_dir`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from moemerge.architectures.forms import layout_of
+from moemerge.finish.extract.plan import DenseTensor, written_in
 from moemerge.io.atomic import atomic_output_dir
 from moemerge.io.paths import check_tree_confined
 from moemerge.io.reader import PICKLE_INDEX, SAFETENSORS_INDEX, CheckpointReader
@@ -46,17 +49,18 @@ def export(model: torch.nn.Module, names: list[str], source: Path, out: Path, *,
         per_file: dict[Path, int] = {}
         for m in metas:
             per_file[m.file] = per_file.get(m.file, 0) + m.nbytes
-        planned = [(m.name, m.dtype, m.shape) for m in metas]
-        written: dict[str, torch.Tensor] = {}
+        written = {name: value.to(reader.meta(name).dtype) for name, value in trained.items()}
+        tensors = [DenseTensor(m.name, m.dtype, m.shape,
+                               (lambda v=written[m.name]: v) if m.name in written
+                               else (lambda n=m.name: reader.read(n))) for m in metas]
+        # an MoE stored fused (transformers 5's names) is written back fused
+        tensors = written_in(reader.form, layout_of(reader.config), tensors)
+        planned = [(t.name, t.dtype, t.shape) for t in tensors]
         with atomic_output_dir(out, force=force, size=reader.total_bytes) as tmp:
             # shards no larger than the source's largest: the same number of files or close
             with ShardedWriter(tmp, planned, max_shard_bytes=max(per_file.values())) as writer:
-                for m in metas:
-                    if m.name in trained:
-                        written[m.name] = trained[m.name].to(m.dtype)
-                        writer.write(m.name, written[m.name])
-                    else:
-                        writer.write(m.name, reader.read(m.name))
+                for t in tensors:
+                    writer.write(t.name, t.make())
             _copy_side_files(Path(source), tmp)
             (tmp / TRAINING_DIR).mkdir(exist_ok=True)
             extra(tmp)

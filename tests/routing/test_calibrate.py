@@ -127,9 +127,9 @@ LAYOUTS = {"mixtral": ("llama", ""), "qwen2_moe": ("qwen2", ""), "qwen3_moe": ("
 
 
 def test_every_token_routed_layout_is_listed():
-    from moemerge.architectures.tables import moe_layouts
+    from moemerge.architectures.tables import built_layouts
 
-    assert set(LAYOUTS) == set(moe_layouts())
+    assert set(LAYOUTS) == set(built_layouts())
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

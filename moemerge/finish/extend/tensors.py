@@ -71,7 +71,7 @@ def _block_names(moe: CheckpointReader, layout: MoELayout, config: dict) -> set[
 def extended_tensors(moe: CheckpointReader, layout: MoELayout, config: dict,
                      experts: list[CheckpointReader]) -> list[DenseTensor]:
     """Every tensor of the grown MoE, embedding first, then layer by layer."""
-    old = int(config[layout.num_experts_key])
+    old = layout.expert_count(config)
     ffn = dense_ffn_names(layout, config)
     routers = {layout.router_name(layer) for layer in range(config["num_hidden_layers"])}
     fused = {template.format(layer=layer): (layer, parts) for template, parts in

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moemerge.analysis.routing import expert_labels
+from moemerge.architectures.forms import layout_of
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.finish.extract.choice import expert_index, one_hot, routing_weights
 from moemerge.finish.extract.plan import Extraction, write_order
-from moemerge.finish.extract.token_routed import expert_count, token_layout
 from moemerge.finish.verify import FULL_LOAD_LIMIT, check_loads
 from moemerge.io.atomic import SIDE_FILES, atomic_output_dir, copy_side_files
 from moemerge.io.reader import CheckpointReader, read_config
@@ -72,9 +72,9 @@ def _extraction(moe: Path, reader: CheckpointReader, config: dict, expert: str |
     from moemerge.finish.extract.seq_routed import extract_seq_routed
     from moemerge.finish.extract.token_routed import extract_token_routed
 
-    layout = token_layout(config)
+    layout = layout_of(config)
     if layout is not None:
-        count = expert_count(config, layout)
+        count = layout.expert_count(config)
     elif is_sequence_routed(config) or is_merged_experts(config):
         count = len(config["experts"]) if is_sequence_routed(config) else config["num_experts"]
     else:

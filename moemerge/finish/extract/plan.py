@@ -4,10 +4,12 @@ shape and a function that makes it (reading from the MoE only when the writer as
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from moemerge.architectures.forms import FUSED, fused_tensors
+from moemerge.architectures.tables import MoELayout
 from moemerge.io.reader import CheckpointReader
 
 Make = Callable[[], torch.Tensor]
@@ -65,3 +67,20 @@ def write_order(tensor: DenseTensor) -> tuple:
     if parts[:2] == ["model", "layers"] and parts[2].isdigit():
         return (1, int(parts[2]), tensor.name)
     return (0 if "embed" in tensor.name else 2, 0, tensor.name)
+
+
+def written_in(form: str | None, layout: MoELayout, tensors: list[DenseTensor]
+               ) -> list[DenseTensor]:
+    """`tensors` (classic names) as `form` stores them: a fused input written back fused, each
+    stack [E, rows, cols] made from its experts' parts when the writer asks."""
+    if form != FUSED:
+        return tensors
+
+    def stack(name: str, groups: list[list[DenseTensor]]) -> DenseTensor:
+        first = groups[0][0]
+        shape = (len(groups), sum(t.shape[0] for t in groups[0]), first.shape[1])
+        return DenseTensor(name, first.dtype, shape, lambda: torch.stack(
+            [torch.cat([t.make() for t in group]) for group in groups]))
+
+    return fused_tensors(layout, tensors, lambda t: t.name, stack,
+                         lambda t, name: replace(t, name=name))

@@ -11,13 +11,13 @@ axis (FFN_e(x) + FFN_s(x) is one FFN of width I_e + I_s); a gated non-zero one
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 
 import torch
 
 from moemerge.architectures.config import COPIED, dtype_name, rope_keys
-from moemerge.architectures.tables import DenseFamily, MoELayout, dense_families, moe_layouts
+from moemerge.architectures.forms import name_pattern
+from moemerge.architectures.tables import DenseFamily, MoELayout, dense_families
 from moemerge.errors import CheckpointError, MismatchError
 from moemerge.finish.extract.plan import DenseTensor, Extraction, resolve_tie
 from moemerge.io.reader import CheckpointReader
@@ -26,22 +26,21 @@ PROJECTIONS = ("gate", "up", "down")
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
-def token_layout(config: dict) -> MoELayout | None:
-    """The output layout a token-routed (or upcycled) MoE of this config was written in."""
-    return next((lay for lay in moe_layouts().values()
-                 if lay.model_type == config.get("model_type")), None)
-
-
-def expert_count(config: dict, layout: MoELayout) -> int:
-    return int(config[layout.num_experts_key])
-
-
 def source_family(layout: MoELayout, config: dict) -> tuple[DenseFamily, str]:
     """(family, model_type) the MoE was built from. Llama and Mistral both become Mixtral: a
     Mistral config carries `sliding_window` (null or a size), which build copies and a Llama
     config never has."""
-    family = next(f for f in dense_families().values()
-                  if layout.name in (f.moe_target, f.shared_target))
+    family = next((f for f in dense_families().values()
+                   if layout.name in (f.moe_target, f.shared_target)), None)
+    if family is None:
+        twins = sorted({lay for f in dense_families().values()
+                        for lay in (f.moe_target, f.shared_target) if lay})
+        raise MismatchError(
+            f"{layout.name} ({layout.architecture}): no dense model family in moemerge's tables "
+            "has its attention and norms, so no dense transformers model computes one of its "
+            f"experts exactly; experts are extracted from {', '.join(twins)} MoEs. Its experts "
+            "can still be shrunk, merged, fine-tuned, or taken into a recipe as experts of an "
+            "MoE of this family")
     if len(family.model_types) > 1:
         return family, "mistral" if "sliding_window" in config else "llama"
     return family, family.model_types[0]
@@ -58,15 +57,6 @@ def dense_config(config: dict, layout: MoELayout, model_type: str, width: int) -
     dense.update(rope_keys(config), intermediate_size=width)
     dense["torch_dtype"] = config.get("torch_dtype", dtype_name(torch.float32))
     return dense
-
-
-def name_pattern(template: str) -> re.Pattern:
-    """A moe.yaml name template as a regex with layer / expert / proj groups."""
-    text = re.escape(template)
-    for key, group in (("layer", r"(?P<layer>\d+)"), ("expert", r"(?P<expert>\d+)"),
-                       ("proj", r"(?P<proj>[^.]+)")):
-        text = text.replace(re.escape("{" + key + "}"), group)
-    return re.compile(text)
 
 
 def moe_tensor_layer(layout: MoELayout) -> Callable[[str], int | None]:
