@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from moemerge.architectures.forms import FUSED
 from moemerge.build_options import BuildOptions, build_options
 from moemerge.errors import RecipeError
 from moemerge.eval.perplexity import load_tokenizer
@@ -231,6 +232,9 @@ class _Build:
         if self.options.gguf is None:
             return None
         check_layout_converts(plan.config)
+        if self.recipe.output.experts == FUSED:
+            raise RecipeError("--gguf: llama.cpp's converter reads per-expert tensors; build with "
+                              "output.experts: classic (the default) for a GGUF")
         return find_converter(self.options.llama_cpp)
 
     def _write(self, out: Path, models: list[SourceModel], plan: Plan,

@@ -68,7 +68,7 @@ def compute(job: Job, load: Load, make_router: MakeRouter | None, seed: int,
     elif job.kind == "lstsq":
         out = projector_fit(job, load)
     elif job.kind == "random":
-        out = torch.randn(job.shape, generator=generator_for(seed, job.output)) * job.std
+        out = torch.randn(job.shape, generator=generator_for(seed, job.name)) * job.std
     elif job.kind == "router":
         assert make_router is not None, "router job without a router factory"
         out = make_router(job, load)
@@ -88,7 +88,7 @@ def compute(job: Job, load: Load, make_router: MakeRouter | None, seed: int,
             tensors=[zero_pad(on_device(s), job.shape) for s in job.sources],
             weights=list(job.weights) or None,
             # counter-based draws per output tensor: the same bytes in any order, on any device
-            draws=Draws.of(seed, job.output),
+            draws=Draws.of(seed, job.name),
             dtype=job.dtype,  # large tensors are merged in row blocks straight into it
             **params.params,
         )

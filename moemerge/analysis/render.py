@@ -123,7 +123,7 @@ def tables(report: TaskVectorReport) -> list[Fitted]:
             for title, columns, rows in layout]
 
 
-def _public(ref: str) -> str:
+def public_name(ref: str) -> str:
     """What a model card may say of a model: a hub id as it is, a local path by its name only
     (no absolute path of the machine that wrote it)."""
     return Path(ref.rstrip("/")).name if looks_like_path(ref) or Path(ref).exists() else ref
@@ -133,7 +133,7 @@ def markdown(report: TaskVectorReport) -> str:
     """A model-card section: the summary and per-layer tables and the verdict."""
     expert_list = ", ".join(f"`{n}`" for n in report.names)
     lines = ["## Task vectors", "",
-             f"Experts {expert_list} against base `{_public(report.base[1])}` "
+             f"Experts {expert_list} against base `{public_name(report.base[1])}` "
              "(τ = expert − base); "
              "statistics defined in moemerge's docs/inspect.md.", ""]
     for title, groups, summary in (("Per role", list(report.summary.values()), True),

@@ -60,14 +60,41 @@ class _Meta(Protocol):  # io.reader.TensorMeta (this layer sits below io)
 M = TypeVar("M", bound=_Meta)
 
 
-def classic_view(config: dict, metas: dict[str, M], where: str) -> tuple[str | None, dict[str, M]]:
+def classic_view(config: dict, metas: dict[str, M], where: str, per_expert: bool = False
+                 ) -> tuple[str | None, dict[str, M]]:
     """(the checkpoint's form, its tensors under classic names) for an MoE of a known layout;
     (None, metas) unchanged for any other model. A fused stack becomes one entry per expert and
     projection, each a byte range of the stack; a tensor in neither form is an error naming
-    it and the forms this layout has."""
+    it and the forms this layout has. `per_expert`: the classic form's own stacks too
+    (GraniteMoE's input_linear: each expert's gate and up under the layout's `expert` names),
+    as merges plan them."""
     layout = layout_of(config)
-    if layout is None or not layout.fused_form:
-        return (None if layout is None else CLASSIC), metas
+    if layout is None:
+        return None, metas
+    form, view = _classic(layout, config, metas, where)
+    if per_expert and layout.fused:
+        view = _per_expert(layout, config, view, where)
+    return form, view
+
+
+def _per_expert(layout: MoELayout, config: dict, view: dict[str, M], where: str
+                ) -> dict[str, M]:
+    patterns = {template: name_pattern(template) for template in layout.fused}
+    out: dict[str, M] = {}
+    for name, meta in view.items():
+        template = next((t for t, p in patterns.items() if p.fullmatch(name)), None)
+        if template is None:
+            out[name] = meta
+            continue
+        layer = int(patterns[template].fullmatch(name)["layer"])
+        out |= _unstack(layout, config, layer, meta, layout.fused[template], where)
+    return out
+
+
+def _classic(layout: MoELayout, config: dict, metas: dict[str, M], where: str
+             ) -> tuple[str, dict[str, M]]:
+    if not layout.fused_form:
+        return CLASSIC, metas
     patterns = {template: name_pattern(template) for template in layout.fused_form}
     view: dict[str, M] = {}
     fused_seen = classic_seen = None
@@ -84,12 +111,7 @@ def classic_view(config: dict, metas: dict[str, M], where: str) -> tuple[str | N
         if isinstance(target, str):  # a renamed tensor (a router, GraniteMoE's stacks)
             view[target.format(layer=layer)] = replace(meta, name=target.format(layer=layer))
             continue
-        if meta.offset < 0:
-            raise CheckpointError(f"{where}: {name} is a fused expert stack in a pickled file; "
-                                  "convert the checkpoint to safetensors first")
-        for expert, proj, part in _unstack(layout, config, name, meta, target, where):
-            classic = layout.expert_name(layer, expert, proj)
-            view[classic] = replace(part, name=classic)
+        view |= _unstack(layout, config, layer, meta, target, where)
     if fused_seen and classic_seen:
         raise CheckpointError(f"{where}: both forms in one checkpoint: {classic_seen} (classic) "
                               f"and {fused_seen} (fused); moemerge reads one or the other")
@@ -101,10 +123,14 @@ def _is_classic_expert(layout: MoELayout, name: str) -> bool:
     return any(name_pattern(t).fullmatch(name) for t in (layout.expert, *layout.fused))
 
 
-def _unstack(layout: MoELayout, config: dict, name: str, meta: M, projs: Sequence[str],
-             where: str) -> list[tuple[int, str, M]]:
-    """(expert, projection, its byte range) of a fused stack [E, rows, cols]: expert e's part
-    p is rows p·rows/P … (p+1)·rows/P of its [rows, cols] block."""
+def _unstack(layout: MoELayout, config: dict, layer: int, meta: M, projs: Sequence[str],
+             where: str) -> dict[str, M]:
+    """{classic name: its byte range} of each expert's projections in a fused stack
+    [E, rows, cols]: expert e's part p is rows p·rows/P … (p+1)·rows/P of its block."""
+    name = meta.name
+    if meta.offset < 0:
+        raise CheckpointError(f"{where}: {name} is a fused expert stack in a pickled file; "
+                              "convert the checkpoint to safetensors first")
     key = layout.experts_key(config)
     experts = config.get(key)
     if len(meta.shape) != 3 or meta.shape[0] != experts or meta.shape[1] % len(projs):
@@ -114,9 +140,10 @@ def _unstack(layout: MoELayout, config: dict, name: str, meta: M, projs: Sequenc
             f"{len(projs)} x rows, cols]")
     _, rows, cols = meta.shape
     step, itemsize = rows // len(projs), meta.dtype.itemsize
-    return [(e, proj, replace(meta, shape=(step, cols),
-                              offset=meta.offset + (e * rows + p * step) * cols * itemsize))
-            for e in range(experts) for p, proj in enumerate(projs)]
+    return {(classic := layout.expert_name(layer, e, proj)): replace(
+                meta, name=classic, shape=(step, cols),
+                offset=meta.offset + (e * rows + p * step) * cols * itemsize)
+            for e in range(experts) for p, proj in enumerate(projs)}
 
 
 def _check_known(layout: MoELayout, view: dict, where: str) -> None:
@@ -136,18 +163,30 @@ def _check_known(layout: MoELayout, view: dict, where: str) -> None:
 
 def written_layout(layout: MoELayout, form: str) -> MoELayout:
     """The layout a plan writes `form` with: for fused, moe.yaml's fused_form names as the
-    stacks `fuse_jobs` makes and the renamed router; classic: the layout itself."""
+    stacks `fuse_jobs` makes, which then renames what the fused form renames (Mixtral's
+    router); classic: the layout itself."""
     if form == CLASSIC:
         return layout
     if not layout.fused_form:
         raise MismatchError(f"output.experts: fused: the {layout.name} layout has no fused form "
                             "(its modeling code reads per-expert tensors); use classic")
-    renamed = {target: name for name, target in layout.fused_form.items()
-               if isinstance(target, str)}
     stacks = {name: target for name, target in layout.fused_form.items()
               if not isinstance(target, str)}
-    stacks |= {renamed[name]: projs for name, projs in layout.fused.items()}
-    return replace(layout, fused=stacks, router=renamed.get(layout.router, layout.router))
+    stacks |= {renamed_name(layout, name): projs for name, projs in layout.fused.items()}
+    return replace(layout, fused=stacks, form=FUSED)
+
+
+def renamed_name(layout: MoELayout, classic: str) -> str:
+    """The fused form's name of the classic tensor (or template) `classic` (itself when
+    the fused form keeps it)."""
+    for fused, target in layout.fused_form.items():
+        if isinstance(target, str):
+            found = name_pattern(target).fullmatch(classic)
+            if found:
+                return fused.format(layer=found["layer"])
+            if target == classic:
+                return fused
+    return classic
 
 
 T = TypeVar("T")
@@ -162,8 +201,6 @@ def fused_tensors(layout: MoELayout, tensors: list[T], name: Callable[[T], str],
     by_name = {name(t): t for t in tensors}
     replaced: dict[str, T] = {}  # first member's classic name -> the stack that replaces it
     members: set[str] = set()
-    renames = {target: fused for fused, target in layout.fused_form.items()
-               if isinstance(target, str)}
     layers = sorted({int(m["layer"]) for t in tensors
                      if (m := name_pattern(layout.router).fullmatch(name(t)))})
     for layer in layers:
@@ -179,14 +216,9 @@ def fused_tensors(layout: MoELayout, tensors: list[T], name: Callable[[T], str],
                 members.update(name(t) for g in groups for t in g)
     out = []
     for t in tensors:
-        n = name(t)
-        if n in replaced:
-            out.append(replaced[n])
-        elif n not in members:
-            pattern = next((p for p in renames if name_pattern(p).fullmatch(n)), None)
-            if pattern is None:
-                out.append(t)
-            else:
-                layer = int(name_pattern(pattern).fullmatch(n)["layer"])
-                out.append(rename(t, renames[pattern].format(layer=layer)))
+        if name(t) in replaced:
+            out.append(replaced[name(t)])
+        elif name(t) not in members:
+            stored = renamed_name(layout, name(t))
+            out.append(t if stored == name(t) else rename(t, stored))
     return out

@@ -37,6 +37,8 @@ class DenseFamily:
     router_input_norm: str | None = None  # the norm the FFN reads through (None: no norm)
     assemblies: frozenset[str] | None = None  # the MoE assemblies it may feed (None: all)
     must_agree: tuple[str, ...] = ()  # config keys every merged model must share
+    layout: str | None = None  # an MoE checkpoint's layout (`moe_family`); None: dense
+    attention_shapes: bool = True  # config.json's heads and head_dim give attention's shapes
 
     def target(self, shared_expert: bool) -> str:
         """The MoE layout a token-routed build writes, with or without a shared expert."""
@@ -121,6 +123,11 @@ class MoELayout:
     builds: bool = True  # False: read (merge, shrink, finetune ...) but written by no recipe
     router_bias: str | None = None  # DeepSeek-V3's per-expert routing bias [E]
     dense_layers_key: str | None = None  # config key: the first N layers have a dense FFN
+    form: str = "classic"  # the form a plan writes it in (forms.written_layout)
+    # a read-only family's tensors besides the sparse blocks' (`moe_family`)
+    tensors: dict[str, str] = field(default_factory=dict)
+    layer_tensors: dict[str, str] = field(default_factory=dict)
+    latent_attention: bool = False  # DeepSeek's: attention shapes not heads x head_dim
 
     def expert_name(self, layer: int, expert: int, proj: str) -> str:
         return self.expert.format(layer=layer, expert=expert, proj=self.projections[proj])
@@ -200,13 +207,52 @@ def expert_count_keys() -> tuple[str, ...]:
 
 
 def family_for_config(config: dict, where: str) -> DenseFamily:
-    """The dense family of a checkpoint, from its config.json `model_type`."""
+    """The family of a checkpoint, from its config.json `model_type`: a dense family, or an
+    MoE's tensors as one (`moe_family`)."""
     model_type = config.get("model_type")
     for family in dense_families().values():
         if model_type in family.model_types:
             return family
+    layout = next((lay for lay in moe_layouts().values() if lay.model_type == model_type), None)
+    if layout is not None:
+        return moe_family(layout, config)
     supported = sorted(t for f in dense_families().values() for t in f.model_types)
+    moes = sorted(lay.model_type for lay in moe_layouts().values())
     raise MismatchError(
-        f"{where}: model_type {model_type!r} is not supported as a dense source. "
-        f"Supported model types: {', '.join(supported)}."
+        f"{where}: model_type {model_type!r} is not supported. Dense model types: "
+        f"{', '.join(supported)}; MoE model types (kind: merge of fine-tunes of one MoE, or "
+        f"`expert:` of one): {', '.join(moes)}."
     )
+
+
+MOE_INPUT = frozenset()  # an MoE feeds no assembly: it is merged (kind: merge), or one of its
+# experts is taken (`expert:`)
+
+
+def moe_family(layout: MoELayout, config: dict) -> DenseFamily:
+    """An MoE checkpoint's tensors (its classic per-expert names, architectures/forms.py) as a
+    family: the non-sparse tensors of the dense family it is built from (a read-only layout:
+    its own list), each expert's projections (role ffn), the shared expert (ffn) and the
+    routers, their gates and biases (role router)."""
+    dense = next((f for f in dense_families().values() if layout.name in f.allowed_layouts),
+                 None)
+    tensors = dict(dense.tensors) if dense else dict(layout.tensors)
+    layer = {rest: role for rest, role in (dense.layer_tensors if dense else {}).items()
+             if not role.startswith("ffn.")} | layout.layer_tensors
+
+    def rest(template: str) -> str:
+        return template.removeprefix("model.layers.{layer}.")
+
+    for proj, disk in layout.projections.items():
+        layer |= {rest(layout.expert).format(expert=e, proj=disk): f"ffn.{proj}"
+                  for e in range(layout.expert_count(config))}
+        if layout.shared_expert is not None and not layout.fused_shared:
+            layer[rest(layout.shared_expert).format(proj=disk)] = f"ffn.{proj}"
+    layer |= {rest(t): "ffn" for t in layout.fused_shared}  # [gate; up] rows, merged whole
+    layer |= {rest(t): "router" for t in (layout.router, layout.shared_expert_gate,
+                                          layout.router_bias) if t is not None}
+    return DenseFamily(
+        name=layout.name, model_types=(layout.model_type,), moe_target=None, tensors=tensors,
+        layer_tensors=layer, optional=frozenset(["lm_head.weight"]), assemblies=MOE_INPUT,
+        must_agree=(layout.experts_key(config), layout.expert_width_key, "num_experts_per_tok"),
+        layout=layout.name, attention_shapes=not layout.latent_attention)

@@ -18,7 +18,7 @@ PROBE_TOKENS = 4  # the forward pass of the load check: ids 0..3
 def check_structure(directory: Path, plan: Plan) -> None:
     """Every planned tensor is on disk with its shape and dtype, and nothing else is."""
     with CheckpointReader(directory) as reader:
-        written = reader.metas
+        written = reader.on_disk  # (the names the plan wrote: a fused output's stacks)
         planned = {job.output: job for job in plan.jobs}
         missing = sorted(set(planned) - set(written))
         extra = sorted(set(written) - set(planned))

@@ -201,7 +201,8 @@ def check_model_dir_confined(directory: Path) -> None:
 class CheckpointReader:
     """A checkpoint directory opened header-only; `read(name)` loads one tensor."""
 
-    def __init__(self, directory: Path, *, allow_pickle: bool = False, max_open_files: int = 2):
+    def __init__(self, directory: Path, *, allow_pickle: bool = False, max_open_files: int = 2,
+                 per_expert: bool = False):
         self.directory = Path(directory)
         self.allow_pickle = allow_pickle
         self.max_open_files = max(1, max_open_files)
@@ -221,8 +222,11 @@ class CheckpointReader:
                         f"tensor {name!r} is in both {self.metas[name].file} and {file}")
                 self.metas[name] = meta
         # an MoE in transformers 5's fused form is read under its classic names; `form` says
-        # which it is on disk (None: not an MoE layout moemerge knows)
-        self.form, self.metas = classic_view(self.config, self.metas, str(self.directory))
+        # which it is on disk (None: not an MoE layout moemerge knows), `on_disk` its names;
+        # `per_expert`: GraniteMoE's classic stacks split too (forms.classic_view)
+        self.on_disk = self.metas
+        self.form, self.metas = classic_view(self.config, self.metas, str(self.directory),
+                                             per_expert)
 
     def _weight_files(self) -> list[Path]:
         """The weight files, each inside the directory (links resolved; a hub snapshot's

@@ -6,10 +6,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from moemerge.architectures import MoELayout
+from moemerge.architectures import MoELayout, moe_layouts
 from moemerge.architectures.config import dense_config, moe_config
 from moemerge.errors import MismatchError
-from moemerge.plan.common import expert_source, merge_job, output_dtype, write_order
+from moemerge.plan.common import (
+    expert_source,
+    merge_job,
+    output_dtype,
+    stored_layout,
+    write_order,
+)
 from moemerge.plan.fused import fuse_jobs, split_fused
 from moemerge.plan.jobs import Job, Plan, Source
 from moemerge.plan.shared_expert import (
@@ -42,6 +48,10 @@ def plan_merge(recipe: MergeRecipe, models: list[SourceModel]) -> Plan:
         for name in write_order(ref.roles)
     ]
     config = dense_config(ref.config, dtype)
+    if ref.family.layout is not None:  # MoEs merged expert by expert, stored as asked
+        layout = moe_layouts()[ref.family.layout]
+        jobs = fuse_jobs(stored_layout(layout, recipe.output), jobs)
+        config.update({k: v for k, v in layout.config.items() if k == "auto_map"})
     if recipe.tokenizer is None:
         return Plan([m.label for m in models], jobs, config)
     tokenizer, alignment = output_vocabulary(recipe, models)
@@ -57,7 +67,8 @@ def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:
     every layer (the base's own FFN last when include_base_expert), the other tensors are merged
     across the experts, and a router is added to every layer."""
     base = models[0]
-    layout = base.family.moe_layout(base.where(), recipe.shared_expert != "none", recipe.layout)
+    layout = stored_layout(base.family.moe_layout(base.where(), recipe.shared_expert != "none",
+                                                  recipe.layout), recipe.output)
     dtype = output_dtype(recipe.output.dtype, base)
     experts = list(range(1, 1 + len(recipe.experts)))  # (a shared expert's model comes last)
     ffn_owners = experts + ([0] if recipe.include_base_expert else [])

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moemerge.architectures import TensorRole
+from moemerge.architectures import MoELayout, TensorRole
+from moemerge.architectures.forms import CLASSIC, FUSED, layout_of, written_layout
+from moemerge.errors import RecipeError
 from moemerge.merge.primitives import generator_for
 from moemerge.merge.registry import get
 from moemerge.plan.jobs import Job, Source
@@ -29,6 +31,29 @@ def output_dtype(requested: str, base: SourceModel) -> torch.dtype:
         return DTYPES[declared]
     embed = next(n for n, r in base.roles.items() if r.role == "embed")
     return base.reader.meta(embed).dtype
+
+
+def stored_layout(layout: MoELayout, output) -> MoELayout:
+    """The layout a token-routed plan writes, its experts stored as `output.experts` says;
+    fused needs a transformers that reads the stacks (5 and later)."""
+    if output.experts == FUSED:
+        from importlib.metadata import version
+
+        installed = version("transformers")
+        if int(installed.split(".")[0]) < 5:
+            raise RecipeError(f"output.experts: fused: transformers {installed} reads per-expert "
+                              "tensors only (the fused stacks came with transformers 5); use "
+                              "classic, which every version reads")
+    return written_layout(layout, output.experts)
+
+
+def check_expert_form(output, config: dict) -> None:
+    """`output.experts: fused` on a recipe whose output has no token-routed experts."""
+    if output.experts != CLASSIC and layout_of(config) is None:
+        raise RecipeError(
+            f"output.experts: {output.experts}: this recipe writes a "
+            f"{config.get('model_type')} model, which has no token-routed experts to stack "
+            "(token_routed, upcycle and merges of token-routed MoEs have); remove it")
 
 
 def write_order(roles: dict[str, TensorRole]) -> list[str]:

@@ -18,6 +18,7 @@ from dataclasses import replace
 from itertools import count
 
 from moemerge.architectures import TensorRole
+from moemerge.architectures.forms import FUSED, renamed_name
 from moemerge.architectures.tables import MoELayout
 from moemerge.errors import MismatchError
 from moemerge.plan.jobs import Job
@@ -58,8 +59,13 @@ def fuse_jobs(layout: MoELayout, jobs: list[Job]) -> list[Job]:
             if names[0] in by_name:
                 add(pattern.format(layer=layer), [tuple(by_name[n] for n in names)],
                     stacked=False)
-    return [fused.get(job.output, job) for job in jobs
+    jobs = [fused.get(job.output, job) for job in jobs
             if job.output in fused or job.output not in members]
+    if layout.form == FUSED:  # the fused form's own names, the draws still the classic ones
+        jobs = [replace(job, output=stored, classic_name=job.output)
+                if (stored := renamed_name(layout, job.output)) != job.output else job
+                for job in jobs]
+    return jobs
 
 
 def fused_parts(role: TensorRole, config: dict) -> dict[str, tuple[int, int]]:

@@ -79,6 +79,15 @@ class Job:
     # job's sources read the aligned rows
     vocab: object | None = None
     context: tuple[Source, ...] = ()
+    # the tensor's classic name where the output stores it under another (output.experts:
+    # fused renames Mixtral's router): draws are seeded from it and patches address it, so
+    # either form holds the same bytes
+    classic_name: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The classic name: what the tensor is called wherever moemerge reads it."""
+        return self.classic_name or self.output
 
     @property
     def inputs(self) -> list[Source]:

@@ -7,8 +7,9 @@ from __future__ import annotations
 from contextlib import ExitStack
 from pathlib import Path
 
+from moemerge.plan.common import check_expert_form
 from moemerge.plan.jobs import Plan
-from moemerge.plan.sources import SourceModel, check_assembly, open_sources
+from moemerge.plan.sources import SourceModel, check_assembly, check_moe_inputs, open_sources
 from moemerge.recipe.kinds import kind_of, labelled_refs
 from moemerge.recipe.load import AnyRecipe
 
@@ -23,6 +24,10 @@ def open_and_plan(recipe: AnyRecipe, recipe_dir: Path | None, *, allow_pickle: b
 
 
 def make_plan(recipe: AnyRecipe, models: list[SourceModel]) -> Plan:
+    kind = kind_of(recipe)
+    check_moe_inputs(kind.name, kind.takes_moes, models)
     if hasattr(recipe, "assembly"):
         check_assembly(recipe.assembly, models)
-    return kind_of(recipe).load("planner")(recipe, models)
+    plan = kind.load("planner")(recipe, models)
+    check_expert_form(recipe.output, plan.config)
+    return plan

@@ -40,9 +40,11 @@ def projection_rows(config: dict) -> dict[str, int]:
 
 
 def check_config_shapes(config: dict, roles: dict[str, TensorRole], shapes: dict[str, tuple],
-                        where: str) -> None:
+                        where: str, attention: bool = True) -> None:
     """Every shape field of `config` agrees with the tensors' `shapes`; `where` is
-    "label: model directory", so each message names the model and its config.json."""
+    "label: model directory", so each message names the model and its config.json.
+    `attention` False: the attention's shapes are not the heads' (DeepSeek's latent
+    attention) and are left to the tensors' own agreement across models."""
     for key in REQUIRED + OPTIONAL:
         value = config.get(key)
         if value is None and key in OPTIONAL:
@@ -62,7 +64,8 @@ def check_config_shapes(config: dict, roles: dict[str, TensorRole], shapes: dict
     for name, role in roles.items():
         if role.role == "embed":
             expected = (config["vocab_size"], config["hidden_size"])
-        elif role.layer is not None and (suffix := name.split(".", 3)[3]) in LAYER_SHAPES:
+        elif role.layer is not None and (suffix := name.split(".", 3)[3]) in LAYER_SHAPES and (
+                attention or not suffix.startswith("self_attn.")):
             expected = tuple(sizes[k] for k in LAYER_SHAPES[suffix])
         else:
             continue

@@ -122,7 +122,9 @@ def open_sources(
     with a `tokenizer:` block aligns them)."""
     models = []
     for (label, _), path in zip(refs, resolve_refs(refs, recipe_dir), strict=True):
-        reader = stack.enter_context(CheckpointReader(path, allow_pickle=allow_pickle))
+        # (an MoE's experts one tensor each, however stored: merges plan them per expert)
+        reader = stack.enter_context(CheckpointReader(path, allow_pickle=allow_pickle,
+                                                      per_expert=True))
         check_config_values(reader.config, f"{label}: {path}")  # before any of it is used
         family = family_for_config(reader.config, f"{label} ({path}/config.json)")
         roles = {}
@@ -136,7 +138,8 @@ def open_sources(
                 )
             roles[name] = role
         check_config_shapes(reader.config, roles,
-                            {n: m.shape for n, m in reader.metas.items()}, f"{label}: {path}")
+                            {n: m.shape for n, m in reader.metas.items()}, f"{label}: {path}",
+                            family.attention_shapes)
         models.append(SourceModel(label, path, reader, family, roles))
     if compatible:
         check_compatible(models, vocabularies)
@@ -148,6 +151,13 @@ def check_compatible(models: list[SourceModel], vocabularies: bool = True) -> No
     (`vocabularies` False: the vocabulary and the embedding and head rows may differ)."""
     ref = models[0]
     for other in models[1:]:
+        if ref.family.layout is not None and other.family.layout == ref.family.layout:
+            key = ref.family.must_agree[0]  # the expert count (its key in each config)
+            a, b = ref.config.get(key), other.config.get(other.family.must_agree[0])
+            if a != b:
+                raise MismatchError(f"{ref.where()} has {a} experts per layer but "
+                                    f"{other.where()} has {b}; MoEs merged expert by expert "
+                                    "must have the same experts")
         if other.family.name != ref.family.name:
             raise MismatchError(
                 f"architecture mismatch: {ref.where()} is {ref.config.get('model_type')} but "
@@ -219,6 +229,17 @@ def _check_vocab(ref: SourceModel, other: SourceModel) -> None:
             f"different vocabularies: the tokenizer of {other.where()} differs from that of "
             f"{ref.where()}; token ids would not line up. Merge only models that share a tokenizer."
         )
+
+
+def check_moe_inputs(kind: str, takes_moes: bool, models: list[SourceModel]) -> None:
+    """An MoE checkpoint is an input of kind: merge only (its experts merged with the same
+    experts of fine-tunes of it); any other kind takes one of its experts (`expert:`)."""
+    for model in models:
+        if model.family.layout is not None and not takes_moes:
+            raise MismatchError(
+                f"{model.where()} is an MoE ({model.config.get('model_type')}); kind {kind} "
+                "reads dense models. Merge fine-tunes of one MoE with kind: merge, or take one "
+                f"of its experts as a dense model: {{model: {model.path}, expert: N}}")
 
 
 def check_assembly(assembly: str, models: list[SourceModel]) -> None:

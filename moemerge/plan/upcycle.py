@@ -35,7 +35,7 @@ from moemerge.architectures.config import moe_config
 from moemerge.errors import RecipeError
 from moemerge.merge.primitives import generator_for
 from moemerge.plan.build import refuse_unsupported_tensors
-from moemerge.plan.common import output_dtype, write_order
+from moemerge.plan.common import output_dtype, stored_layout, write_order
 from moemerge.plan.fused import fuse_jobs
 from moemerge.plan.jobs import Job, Plan, Source
 from moemerge.plan.shared_expert import downstream_notes, zeroed_shared_expert
@@ -188,7 +188,8 @@ def plan_upcycle(recipe: UpcycleRecipe, models: list[SourceModel]) -> Plan:
     expert)."""
     dense = models[0]
     copies = UpcycleCopies(recipe, dense)
-    layout = dense.family.moe_layout(dense.where(), recipe.shared_experts > 0, recipe.layout)
+    layout = stored_layout(dense.family.moe_layout(dense.where(), recipe.shared_experts > 0,
+                                                   recipe.layout), recipe.output)
     if recipe.shared_experts and layout.shared_count_key is None:
         raise RecipeError(f"shared_experts: the {layout.name} layout has no shared expert made "
                           "of expert-width slices; use layout: deepseek (Llama / Mistral "

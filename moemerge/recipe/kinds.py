@@ -46,6 +46,7 @@ class Kind:
     gguf: bool = False  # llama.cpp knows its output (`build --gguf`)
     remote_code: bool = False  # the output runs moemerge's shipped modeling code
     uniform: bool = True  # the inputs share one family, shape and vocabulary (checked on open)
+    takes_moes: bool = False  # MoE checkpoints may be inputs (merged expert by expert)
     tokenizer: Callable[[object], int] = lambda recipe: 0  # the input the tokenizer comes from
     # the commands that take this kind's output (docs' support table; each refuses the others)
     commands: tuple[str, ...] = ("finetune",)
@@ -61,6 +62,7 @@ class Kind:
 KINDS = (
     Kind("merge", "merge", MergeRecipe, "one dense model merged from several", "inputs",
          "plan.build:plan_merge", "finish.card:merge_card", moe=False, tunable=True, gguf=True,
+         takes_moes=True,
          commands=("finetune --full", "inspect task-vectors"),
          tokenizer=lambda recipe: recipe.tokenizer_index),
     Kind("token_routed", "moe", MoERecipe,

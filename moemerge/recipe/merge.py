@@ -19,7 +19,7 @@ from pydantic import ConfigDict, Field, create_model, field_validator, model_val
 from moemerge.merge.registry import METHOD_NAMES, REGISTRY, Param, all_params, per_model_params
 from moemerge.recipe.unquoted import UnquotedNumbers
 
-Role = Literal["embed", "attn", "norm", "ffn", "lm_head"]
+Role = Literal["embed", "attn", "norm", "ffn", "lm_head", "router"]  # router: MoE inputs'
 MethodName = Literal[METHOD_NAMES]  # type: ignore[valid-type]
 METHODS_NEEDING_BASE = {m.name for m in REGISTRY.values() if m.needs_base}
 

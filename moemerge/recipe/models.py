@@ -204,6 +204,11 @@ class OutputSpec(Strict):
         "The output's dtype; auto: the base's (else the first model's)."))
     max_shard_size: str | int = Field(default="5GB", description=(
         "Largest safetensors shard, in bytes or with a unit (5GB, 500MB)."))
+    experts: Literal["classic", "fused"] = Field(default="classic", description=(
+        "How a token-routed MoE's experts are stored. classic: one tensor per expert and "
+        "projection (experts.0.w1.weight ...), what llama.cpp's converter, vLLM and "
+        "transformers 4 read. fused: transformers 5's stacks (experts.gate_up_proj [E, 2I, H], "
+        "experts.down_proj [E, H, I]), what mergekit 0.1.5 writes; needs transformers >= 5."))
 
 
 class _RecipeBase(Strict):

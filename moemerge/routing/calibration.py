@@ -97,9 +97,9 @@ def model_as_stored(path: Path):
 
 def calibrated_routers(recipe, plan: Plan, built: Path, cal: Calibration,
                        stats: dict | None = None) -> dict[str, torch.Tensor]:
-    """{output tensor name: router} fitted on the model built at `built` (its routers are
+    """{classic tensor name: router} fitted on the model built at `built` (its routers are
     placeholders) by the kind's calibrator; `stats` receives what it keeps of each fit."""
     model = model_as_stored(built)
     by_layer = kind_of(recipe).load("calibrator")(model, cal, stats)
-    return {job.output: by_layer[job.layer] for job in plan.jobs
+    return {job.name: by_layer[job.layer] for job in plan.jobs
             if job.role == "router" and job.layer in by_layer}

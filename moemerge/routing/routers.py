@@ -65,9 +65,9 @@ class TokenRouters:
             assert self._shared_rows is not None
             return self._shared_rows[job.layer]
         if init in ("random", "calibrate"):  # calibrate: a placeholder, overwritten once fitted
-            return random_router(job.shape, self.std, self.recipe.seed, job.output)
+            return random_router(job.shape, self.std, self.recipe.seed, job.name)
         if init == "uniform":
-            return uniform_router(job.shape, self.recipe.seed, job.output)
+            return uniform_router(job.shape, self.recipe.seed, job.name)
         if init == "task_vector":
             return task_vector_router(load(job.base), [load(s) for s in job.sources])
         assert self._rows is not None
@@ -86,8 +86,8 @@ class UpcycleRouters:
     def make(self, job: Job, load: Load) -> torch.Tensor:
         recipe = self.recipe
         if recipe.router.init == "random":
-            return random_router(job.shape, self.std, recipe.seed, job.output)
-        rows = random_router((recipe.experts, job.shape[1]), self.std, recipe.seed, job.output)
+            return random_router(job.shape, self.std, recipe.seed, job.name)
+        rows = random_router((recipe.experts, job.shape[1]), self.std, recipe.seed, job.name)
         return rows.repeat_interleave(recipe.routed_slices, dim=0)
 
 
@@ -104,7 +104,7 @@ class SequenceRouters:
 
     def make(self, job: Job, load: Load) -> torch.Tensor:
         if job.router_init in ("random", "calibrate"):  # calibrate: a placeholder until fitted
-            return random_router(job.shape, self.std, self.recipe.seed, job.output)
+            return random_router(job.shape, self.std, self.recipe.seed, job.name)
         width = job.shape[1]
         embeds = [load(s).float() for s in job.sources]  # [V, d_i] each
         embed = sum(zero_pad(e, (e.shape[0], width)) for e in embeds) / len(embeds)

@@ -133,7 +133,10 @@ def shrink(recipe: ShrinkRecipe, out: Path, *, recipe_dir: Path, recipe_text: st
             del model
         groupings = _groupings(stats, recipe, kept)
         check_group_sizes(groupings, recipe.merge_method)
-        tensors = written_in(reader.form, layout,  # a fused input is written back fused
+        # the input's own form, unless the recipe says which (output.experts)
+        form = (recipe.output.experts if "experts" in recipe.output.model_fields_set
+                else reader.form)
+        tensors = written_in(form, layout,
                              shrunk_tensors(reader, layout, groupings, recipe.merge_method))
         size = sum(t.dtype.itemsize * math.prod(t.shape) for t in tensors)
         with atomic_output_dir(out, force=force, size=size) as tmp:

@@ -144,7 +144,7 @@ def plan_from_headers(recipe: dict, checkpoints: dict[str, FakeReader]) -> tuple
     def resolve(refs, recipe_dir):
         return [FAKE_ROOT / ref.model for _, ref in refs]
 
-    def reader(path: Path, *, allow_pickle: bool) -> FakeReader:
+    def reader(path: Path, *, allow_pickle: bool, per_expert: bool) -> FakeReader:
         return checkpoints[path.relative_to(FAKE_ROOT).as_posix()]
 
     with ExitStack() as stack, pytest.MonkeyPatch.context() as patch:

@@ -43,7 +43,8 @@ NOT_OUTPUTS = {
     ("build", "gguf"),  # a type (f16, ...): the GGUF goes inside OUTPUT, under its rule
     ("validate", "recipes"), ("toy", "preset"), ("demo", "preset"), ("bake", "model"),
     ("export", "model"),
-    ("extract", "model"), ("extract", "expert"), ("extract", "weights"),
+    ("extract", "model"), ("extract", "expert"), ("extract", "weights"), ("extract", "lora"),
+    ("extract", "base"), ("extract", "device"),
     ("extend", "model"), ("extend", "expert"), ("extend", "name"), ("extend", "calibration"),
     ("shrink", "model"), ("shrink", "calibration"), ("shrink", "method"), ("shrink", "saliency"),
     ("shrink", "merge_method"),

@@ -47,7 +47,7 @@ def extract_expert(moe: Path, out: Path, *, expert: str | None = None,
                           "(merged_experts only), not both")
     config = read_config(moe)
     with CheckpointReader(moe) as reader:
-        kind, extraction, label = _extraction(moe, reader, config, expert, weights)
+        kind, extraction, label = choose_extraction(moe, reader, config, expert, weights)
         extraction.tensors.sort(key=write_order)
         size = sum(t.dtype.itemsize * math.prod(t.shape) for t in extraction.tensors)
         metadata = {"moemerge_extracted_from": str(moe.name), "moemerge_expert": label}
@@ -65,7 +65,7 @@ def extract_expert(moe: Path, out: Path, *, expert: str | None = None,
     return Extracted(label, kind, len(extraction.tensors), size)
 
 
-def _extraction(moe: Path, reader: CheckpointReader, config: dict, expert: str | None,
+def choose_extraction(moe: Path, reader: CheckpointReader, config: dict, expert: str | None,
                 weights: str | None) -> tuple[str, Extraction, str]:
     """(kind, extraction, label) for the MoE's kind."""
     from moemerge.finish.extract.merged import extract_merged
