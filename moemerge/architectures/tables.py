@@ -234,8 +234,9 @@ def moe_family(layout: MoELayout, config: dict) -> DenseFamily:
     family: the non-sparse tensors of the dense family it is built from (a read-only layout:
     its own list), each expert's projections (role ffn), the shared expert (ffn) and the
     routers, their gates and biases (role router)."""
-    dense = next((f for f in dense_families().values() if layout.name in f.allowed_layouts),
-                 None)
+    families = dense_families().values()  # its own source family first (Qwen2's, not Llama's)
+    dense = next((f for f in families if layout.name in (f.moe_target, f.shared_target)),
+                 next((f for f in families if layout.name in f.allowed_layouts), None))
     tensors = dict(dense.tensors) if dense else dict(layout.tensors)
     layer = {rest: role for rest, role in (dense.layer_tensors if dense else {}).items()
              if not role.startswith("ffn.")} | layout.layer_tensors

@@ -11,6 +11,7 @@ from pathlib import Path
 from moemerge.architectures import DenseFamily, TensorRole, family_for_config
 from moemerge.errors import CheckpointError, MismatchError
 from moemerge.io import jsontext
+from moemerge.io.moe_expert import ExpertReader
 from moemerge.io.paths import confined
 from moemerge.io.reader import CheckpointReader
 from moemerge.io.resolve import looks_like_path, resolve_model
@@ -28,7 +29,7 @@ MUST_AGREE = (
 class SourceModel:
     label: str
     path: Path
-    reader: CheckpointReader
+    reader: CheckpointReader | ExpertReader
     family: DenseFamily
     roles: dict[str, TensorRole]  # every tensor of the checkpoint, classified
 
@@ -121,10 +122,12 @@ def open_sources(
     False: the vocabularies (tokenizers, embedding and head rows) may differ (a dense merge
     with a `tokenizer:` block aligns them)."""
     models = []
-    for (label, _), path in zip(refs, resolve_refs(refs, recipe_dir), strict=True):
+    for (label, ref), path in zip(refs, resolve_refs(refs, recipe_dir), strict=True):
         # (an MoE's experts one tensor each, however stored: merges plan them per expert)
         reader = stack.enter_context(CheckpointReader(path, allow_pickle=allow_pickle,
                                                       per_expert=True))
+        if ref.expert is not None:  # one expert of an MoE, as a dense model
+            reader = ExpertReader(reader, ref.expert, label)
         check_config_values(reader.config, f"{label}: {path}")  # before any of it is used
         family = family_for_config(reader.config, f"{label} ({path}/config.json)")
         roles = {}

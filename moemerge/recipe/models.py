@@ -73,6 +73,10 @@ class ModelRef(Strict):
     revision: str | None = Field(default=None, description="A hub revision (branch, tag, "
                                  "commit) of a hub id.")
     weight: float = Field(default=1.0, ge=0.0, description="Weight in non-FFN merges.")
+    expert: int | None = Field(default=None, ge=0, description=(
+        "An expert of a token-routed MoE, by index from 0: that expert as a dense model of the "
+        "family the MoE is built from (its FFN with the MoE's attention, norms, embedding and "
+        "head; what `moemerge extract` writes), read in place."))
 
 
 class _MergeInput(ModelRef):

@@ -21,7 +21,6 @@ from moemerge.architectures.forms import layout_of, moe_names
 from moemerge.data import read_domains
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.eval.perplexity import load_tokenizer
-from moemerge.finish.extract.plan import written_in
 from moemerge.finish.verify import FULL_LOAD_LIMIT, check_loads
 from moemerge.io.atomic import (
     RECIPE_COPY,
@@ -33,6 +32,7 @@ from moemerge.io.atomic import (
 from moemerge.io.outputs import check_output, local_inputs
 from moemerge.io.reader import CheckpointReader, read_config
 from moemerge.io.resolve import resolve_model
+from moemerge.io.tensor_list import written_in
 from moemerge.io.writer import ShardedWriter, finite, overwrite_tensors
 from moemerge.loading import check_seq_len, check_tokenizer_fits, load_pretrained, vocab_rows
 from moemerge.progress import Stages

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from moemerge.architectures.tables import MoELayout
-from moemerge.finish.extract.token_routed import PROJECTIONS, expert_ffn
+from moemerge.io.moe_expert import PROJECTIONS, expert_ffn
 from moemerge.io.reader import CheckpointReader
 from moemerge.routing.calibrate import BATCH
 from moemerge.routing.modules import find_routers

@@ -14,8 +14,8 @@ import torch
 from moemerge.architectures.forms import name_pattern
 from moemerge.architectures.tables import MoELayout
 from moemerge.errors import RecipeError
-from moemerge.finish.extract.plan import DenseTensor, Extraction
 from moemerge.io.reader import CheckpointReader
+from moemerge.io.tensor_list import DenseTensor, Extraction
 from moemerge.merge.dispatch import merge
 from moemerge.merge.registry import REGISTRY
 from moemerge.recipe.shrink import WEIGHTED

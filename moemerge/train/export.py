@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from moemerge.architectures.forms import layout_of
-from moemerge.finish.extract.plan import DenseTensor, written_in
 from moemerge.io.atomic import atomic_output_dir
 from moemerge.io.paths import check_tree_confined
 from moemerge.io.reader import PICKLE_INDEX, SAFETENSORS_INDEX, CheckpointReader
+from moemerge.io.tensor_list import DenseTensor, written_in
 from moemerge.io.writer import ShardedWriter
 from moemerge.train.params import to_disk_names
 

@@ -21,8 +21,8 @@ from moemerge.errors import MismatchError, RecipeError
 from moemerge.execute import compute
 from moemerge.finish.extend.recipe import depends_on_experts, loss_targets_error
 from moemerge.finish.extend.tensors import check_shapes
-from moemerge.finish.extract.plan import DenseTensor, config_dtype, write_order
 from moemerge.io.reader import CheckpointReader
+from moemerge.io.tensor_list import DenseTensor, config_dtype, write_order
 from moemerge.plan.fused import fused_parts
 from moemerge.plan.jobs import Job, Source
 from moemerge.plan.merged import PROJ_NAMES

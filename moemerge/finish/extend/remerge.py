@@ -22,8 +22,8 @@ import yaml
 from moemerge.errors import CheckpointError
 from moemerge.execute import compute
 from moemerge.finish.extend.recipe import NewExpert, extended_recipe_text
-from moemerge.finish.extract.plan import DenseTensor
 from moemerge.io.atomic import RECIPE_COPY
+from moemerge.io.tensor_list import DenseTensor
 from moemerge.plan.jobs import Job, Source
 from moemerge.plan.recipe_plan import make_plan
 from moemerge.plan.sources import SourceModel, open_sources

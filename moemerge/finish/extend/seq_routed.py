@@ -21,8 +21,8 @@ from moemerge.errors import CheckpointError, MismatchError, RecipeError
 from moemerge.execute import compute
 from moemerge.finish.extend.recipe import REBUILD, depends_on_experts, loss_targets_error
 from moemerge.finish.extend.tensors import check_shapes
-from moemerge.finish.extract.plan import DenseTensor, config_dtype
 from moemerge.io.reader import CheckpointReader
+from moemerge.io.tensor_list import DenseTensor, config_dtype
 from moemerge.plan.jobs import Job, Source
 from moemerge.plan.sequence import PER_EXPERT, SHARED, _body_jobs, role_tensor
 from moemerge.plan.sources import SourceModel

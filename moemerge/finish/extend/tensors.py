@@ -12,9 +12,9 @@ import torch
 
 from moemerge.architectures.tables import MoELayout
 from moemerge.errors import MismatchError
-from moemerge.finish.extract.plan import DenseTensor, write_order
-from moemerge.finish.extract.token_routed import PROJECTIONS, expert_ffn, source_family
+from moemerge.io.moe_expert import PROJECTIONS, expert_ffn, source_family
 from moemerge.io.reader import CheckpointReader
+from moemerge.io.tensor_list import DenseTensor, write_order
 
 
 def check_shapes(mine: dict[str, tuple | None], theirs: dict[str, tuple | None], label: str,
@@ -62,7 +62,7 @@ def check_expert(moe: CheckpointReader, layout: MoELayout, config: dict,
 
 
 def _block_names(moe: CheckpointReader, layout: MoELayout, config: dict) -> set[str]:
-    from moemerge.finish.extract.token_routed import moe_tensor_layer
+    from moemerge.io.moe_expert import moe_tensor_layer
 
     in_block = moe_tensor_layer(layout)
     return {name for name in moe.names() if in_block(name) is not None}

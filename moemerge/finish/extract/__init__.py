@@ -18,10 +18,10 @@ from moemerge.analysis.routing import expert_labels
 from moemerge.architectures.forms import layout_of
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.finish.extract.choice import expert_index, one_hot, routing_weights
-from moemerge.finish.extract.plan import Extraction, write_order
 from moemerge.finish.verify import FULL_LOAD_LIMIT, check_loads
 from moemerge.io.atomic import SIDE_FILES, atomic_output_dir, copy_side_files
 from moemerge.io.reader import CheckpointReader, read_config
+from moemerge.io.tensor_list import Extraction, write_order
 from moemerge.io.writer import ShardedWriter, finite
 from moemerge.modeling import is_merged_experts, is_sequence_routed
 
@@ -70,7 +70,7 @@ def choose_extraction(moe: Path, reader: CheckpointReader, config: dict, expert:
     """(kind, extraction, label) for the MoE's kind."""
     from moemerge.finish.extract.merged import extract_merged
     from moemerge.finish.extract.seq_routed import extract_seq_routed
-    from moemerge.finish.extract.token_routed import extract_token_routed
+    from moemerge.io.moe_expert import extract_token_routed
 
     layout = layout_of(config)
     if layout is not None:

@@ -33,10 +33,10 @@ from moemerge.architectures.tables import DenseFamily, family_for_config
 from moemerge.errors import MismatchError, RecipeError
 from moemerge.finish.extract import choose_extraction
 from moemerge.finish.extract.lora_files import adapter_config, card, report_json
-from moemerge.finish.extract.plan import Extraction, write_order
 from moemerge.io.atomic import SIDE_FILES, atomic_output_dir, copy_side_files
 from moemerge.io.reader import CheckpointReader, read_config
 from moemerge.io.resolve import resolve_model
+from moemerge.io.tensor_list import Extraction, write_order
 from moemerge.io.writer import ShardedWriter, finite
 from moemerge.merge.lowrank import energy_share, lora_factors, rank_for_share, singular_values
 from moemerge.modeling import is_merged_experts, is_sequence_routed

@@ -18,8 +18,8 @@ import torch
 
 from moemerge.architectures.config import dense_config
 from moemerge.errors import CheckpointError
-from moemerge.finish.extract.plan import DenseTensor, Extraction, config_dtype, resolve_tie
 from moemerge.io.reader import CheckpointReader
+from moemerge.io.tensor_list import DenseTensor, Extraction, config_dtype, resolve_tie
 from moemerge.modeling.configuration_moemerge import MoemergeMergedConfig
 from moemerge.modeling.modeling_merged_moemerge import PROJECTIONS, MergedExpertsMLP
 from moemerge.modeling.pretrained_moemerge import dense_config as dense_config_object

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from moemerge.architectures.config import dense_config
 from moemerge.errors import CheckpointError
-from moemerge.finish.extract.plan import Extraction, config_dtype, resolve_tie
 from moemerge.io.reader import CheckpointReader
+from moemerge.io.tensor_list import Extraction, config_dtype, resolve_tie
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 SHARED = {"embed_tokens.weight": EMBED, "lm_head.weight": HEAD}

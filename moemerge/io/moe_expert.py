@@ -12,15 +12,16 @@ axis (FFN_e(x) + FFN_s(x) is one FFN of width I_e + I_s); a gated non-zero one
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from moemerge.architectures.config import COPIED, dtype_name, rope_keys
-from moemerge.architectures.forms import name_pattern
+from moemerge.architectures.forms import layout_of, name_pattern
 from moemerge.architectures.tables import DenseFamily, MoELayout, dense_families
 from moemerge.errors import CheckpointError, MismatchError
-from moemerge.finish.extract.plan import DenseTensor, Extraction, resolve_tie
-from moemerge.io.reader import CheckpointReader
+from moemerge.io.reader import CheckpointReader, TensorMeta
+from moemerge.io.tensor_list import DenseTensor, Extraction, resolve_tie
 
 PROJECTIONS = ("gate", "up", "down")
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -81,8 +82,7 @@ def _fused_part(reader: CheckpointReader, fused: dict, layer: int, proj: str,
     """`proj` sliced out of a fused tensor ([E, rows, cols] per expert, or [rows, cols] for
     the shared MLP; its rows are its parts' rows, stacked in order, of equal widths)."""
     for template, parts in fused.items():
-        if proj in parts:
-            name = template.format(layer=layer)
+        if proj in parts and (name := template.format(layer=layer)) in reader:
             meta = reader.meta(name)
             rows, cols = meta.shape[-2:]
             step, at = rows // len(parts), parts.index(proj) * (rows // len(parts))
@@ -164,8 +164,11 @@ def extract_token_routed(reader: CheckpointReader, config: dict, layout: MoELayo
             for proj in PROJECTIONS:
                 shape, dtype, read = layer_ffn(reader, layout, layer, expert, proj)
                 width = shape[1] if proj == "down" else shape[0]
+                own = layout.expert_name(layer, expert, proj)  # (the same bytes, or made)
+                plain = own in reader and reader.meta(own).shape == tuple(shape)
                 extraction.tensors.append(DenseTensor(
-                    f"model.layers.{layer}.{ffn_names[proj]}", dtype, tuple(shape), read))
+                    f"model.layers.{layer}.{ffn_names[proj]}", dtype, tuple(shape), read,
+                    source=own if plain else None))
     if len(done) != config.get("num_hidden_layers", len(done)):
         raise CheckpointError(f"{len(done)} sparse blocks for num_hidden_layers "
                               f"{config.get('num_hidden_layers')}")
@@ -177,3 +180,62 @@ def extract_token_routed(reader: CheckpointReader, config: dict, layout: MoELayo
                        f"shared attention, norms, embedding and head ({layout.architecture} -> "
                        f"{extraction.config['architectures'][0]})")
     return extraction
+
+
+class ExpertReader:
+    """Expert `expert` of a token-routed MoE read as a dense checkpoint of its source family
+    (the recipe's `{model: moe, expert: N}`): what `extract` writes, without writing it. Its
+    FFN tensors are the expert's own bytes under dense names (copied as bytes where nothing
+    changes them), the rest the MoE's; a GraniteMoeShared expert joined with the shared MLP is
+    made when read. The MoE's reader is closed by its owner."""
+
+    def __init__(self, moe: CheckpointReader, expert: int, label: str):
+        layout = layout_of(moe.config)
+        where = f"{label} ({moe.directory})"
+        if layout is None:
+            raise CheckpointError(f"{where}: `expert: {expert}` takes an expert of a token-routed "
+                                  f"MoE, and model_type {moe.config.get('model_type')!r} is not "
+                                  "one (seq_routed and merged_experts experts: moemerge extract)")
+        count = layout.expert_count(moe.config)
+        if expert >= count:
+            raise CheckpointError(f"{where}: expert: {expert}, but it has {count} experts per "
+                                  f"layer (0 to {count - 1})")
+        extraction = extract_token_routed(moe, moe.config, layout, expert, label)
+        self.moe, self.directory, self.config = moe, moe.directory, extraction.config
+        self.form, self.allow_pickle = None, moe.allow_pickle
+        self._tensors = {t.name: t for t in extraction.tensors}
+        self.metas = {name: (replace(moe.meta(t.source), name=name) if t.source is not None
+                             else TensorMeta(name, t.dtype, t.shape, moe.directory))
+                      for name, t in self._tensors.items()}
+        self.on_disk = self.metas
+
+    def names(self) -> list[str]:
+        return list(self.metas)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.metas
+
+    def meta(self, name: str) -> TensorMeta:
+        if name not in self.metas:
+            raise CheckpointError(f"tensor {name!r} is not in {self.directory}'s expert")
+        return self.metas[name]
+
+    def stored(self, name: str) -> TensorMeta | None:
+        source = self._tensors[name].source
+        return None if source is None or self.moe.stored(source) is None else self.meta(name)
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._tensors[name].make()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(m.nbytes for m in self.metas.values())
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> ExpertReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass

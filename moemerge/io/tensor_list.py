@@ -21,6 +21,7 @@ class DenseTensor:
     dtype: torch.dtype
     shape: tuple[int, ...]
     make: Make
+    source: str | None = None  # the checkpoint tensor it is, bytes unchanged (else: made)
 
 
 @dataclass
@@ -35,7 +36,7 @@ class Extraction:
         """Add MoE tensor `source` unchanged, as `name` (default: the same name)."""
         meta = reader.meta(source)
         self.tensors.append(DenseTensor(name or source, meta.dtype, meta.shape,
-                                        lambda: reader.read(source)))
+                                        lambda: reader.read(source), source))
 
     @property
     def names(self) -> set[str]:

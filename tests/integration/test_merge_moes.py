@@ -1,0 +1,193 @@
+"""`kind: merge` over fine-tunes of one MoE (HARC's setting: expert e merged with expert e,
+routers merged or recalibrated), and experts of MoEs as the inputs of other recipes (BAR /
+FlexOlmo: several MoEs sharing an anchor expert become one), on checkpoints saved by
+transformers' own classes in either on-disk form (tests/moe_families.py).
+
+Oracles: a merge of identical fine-tunes is the MoE bit for bit; an average of two MoEs is
+the mean of its inputs, tensor by tensor, in any form; a fine-tune whose experts were
+permuted gives another merge (expert e is merged with expert e, not with another); an
+`expert:` input reads the same tensors `moemerge extract` writes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import perturbed_copy, write_recipe
+from moe_families import save_moe, tiny_moe_model
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from moemerge.api import build
+from moemerge.architectures.forms import CLASSIC, FORMS, FUSED
+from moemerge.errors import CheckpointError, MismatchError
+from moemerge.io.reader import CheckpointReader
+
+IDS = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(0))
+FAMILIES = ["mixtral", "qwen2_moe", "granitemoeshared", "olmoe", "deepseek_v3"]
+
+
+def classic(path) -> dict[str, torch.Tensor]:
+    """Every tensor of `path` under its classic name (moemerge's view of either form)."""
+    with CheckpointReader(path) as reader:
+        return {name: reader.read(name) for name in reader.names()}
+
+
+def logits(path) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+@pytest.fixture(scope="module")
+def moes(tmp_path_factory, tokenizer):
+    """moes(family) -> (base in the classic form, two fine-tunes of it: one classic, one
+    fused), each with a tokenizer."""
+    made = {}
+
+    def make(family: str):
+        if family not in made:
+            root = tmp_path_factory.mktemp(family)
+            model = tiny_moe_model(family)
+            dirs = [save_moe(model, root / f"base-{CLASSIC}", CLASSIC),
+                    save_moe(model, root / f"base-{FUSED}", FUSED)]
+            tuned = [perturbed_copy(dirs[i], root / f"tuned{i}", scale=0.05, seed=i + 1)
+                     for i in range(2)]
+            for path in (*dirs, *tuned):
+                tokenizer.save_pretrained(path)
+            made[family] = (dirs[0], *tuned)
+        return made[family]
+
+    return make
+
+
+def merge_recipe(tmp_path, models, method="average", base=None, extra="", name="merge"):
+    lines = ["kind: merge", *([f"base_model: {base}"] if base else []), "models:",
+             *(f"  - {m}" for m in models), f"merge: {{method: {method}}}", extra]
+    return write_recipe(tmp_path / f"{name}.yaml", "\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_average_of_two_moes_is_their_mean_in_either_form(family, moes, tmp_path):
+    base, classic_tuned, fused_tuned = moes(family)
+    build(merge_recipe(tmp_path, [classic_tuned, fused_tuned]), tmp_path / "out",
+          progress=False)
+    a, b, out = classic(classic_tuned), classic(fused_tuned), classic(tmp_path / "out")
+    assert out.keys() == a.keys() == b.keys()
+    for name in out:
+        torch.testing.assert_close(out[name], (a[name] + b[name]) / 2, rtol=0, atol=1e-7,
+                                   msg=name)
+    assert torch.isfinite(logits(tmp_path / "out")).all()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "granitemoe"])
+def test_identical_fine_tunes_merge_to_the_moe_bit_for_bit(family, moes, tmp_path):
+    """TIES against the base over two copies of one fine-tune (in two forms) gives it back:
+    every task vector agrees with itself, nothing is trimmed that the copy keeps."""
+    base, tuned, _ = moes(family)
+    fused = save_moe(AutoModelForCausalLM.from_pretrained(tuned), tmp_path / "fused", FUSED)
+    build(merge_recipe(tmp_path, [tuned, fused], "task_arithmetic", base,
+                       "  # (weights 0.5 each: the mean task vector)"), tmp_path / "out",
+          progress=False)
+    out, want = classic(tmp_path / "out"), classic(tuned)
+    assert out.keys() == want.keys()
+    for name in out:
+        torch.testing.assert_close(out[name], want[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_expert_e_is_merged_with_expert_e(moes, tmp_path):
+    """A fine-tune whose experts 0 and 1 are swapped on disk merges into another model: the
+    merge pairs experts by index (and so the output's expert 0 is the mean of the inputs'
+    experts 0)."""
+    base, tuned, other = moes("mixtral")
+    swapped = perturbed_copy(tuned, tmp_path / "swapped", scale=0.0, seed=0)
+    tensors = load_file(swapped / "model.safetensors")
+    for layer in range(2):
+        for w in ("w1", "w2", "w3"):
+            one, two = (f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight"
+                        for e in (0, 1))
+            tensors[one], tensors[two] = tensors[two], tensors[one]
+    save_file(tensors, swapped / "model.safetensors", metadata={"format": "pt"})
+    name = "model.layers.1.block_sparse_moe.experts.0.w1.weight"
+    outs = {}
+    for label, first in (("kept", tuned), ("swapped", swapped)):
+        build(merge_recipe(tmp_path, [first, other], name=label), tmp_path / f"out-{label}",
+              progress=False)
+        outs[label] = classic(tmp_path / f"out-{label}")[name]
+    assert torch.equal(outs["kept"], (classic(tuned)[name] + classic(other)[name]) / 2)
+    assert not torch.allclose(outs["kept"], outs["swapped"], atol=1e-3)
+
+
+def test_moes_with_other_expert_counts_or_layouts_are_refused(moes, tmp_path):
+    mixtral = moes("mixtral")[1]
+    four = tmp_path / "four"
+    model = tiny_moe_model("mixtral")
+    model.config.num_local_experts = 4
+    bigger = AutoModelForCausalLM.from_config(model.config)
+    save_moe(bigger, four, CLASSIC)
+    with pytest.raises(MismatchError, match="3 experts per layer but .* has 4"):
+        build(merge_recipe(tmp_path, [mixtral, four], name="counts"), tmp_path / "a",
+              progress=False)
+    with pytest.raises(MismatchError, match="architecture mismatch"):
+        build(merge_recipe(tmp_path, [mixtral, moes("olmoe")[1]], name="layouts"),
+              tmp_path / "b", progress=False)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_an_moe_is_refused_as_a_dense_expert_with_the_way_to_take_one(moes, tmp_path):
+    base, tuned, _ = moes("mixtral")
+    recipe = write_recipe(tmp_path / "moe.yaml", f"kind: moe\nbase_model: {base}\n"
+                          f"experts: [{tuned}, {tuned}]\n")
+    with pytest.raises(MismatchError, match=r"is an MoE \(mixtral\).*expert: N"):
+        build(recipe, tmp_path / "out", progress=False)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_an_expert_input_reads_what_extract_writes(form, moes, tmp_path):
+    """`{model: moe, expert: 2}` as a merge's only model: the output is that expert's dense
+    model, the tensors `moemerge extract --expert 2` writes."""
+    from typer.testing import CliRunner
+
+    from moemerge.cli import app
+
+    moe = moes("mixtral")[1 if form == CLASSIC else 2]
+    result = CliRunner().invoke(app, ["extract", str(moe), str(tmp_path / "extracted"),
+                                      "--expert", "2"])
+    assert result.exit_code == 0, result.output
+    build(merge_recipe(tmp_path, [f"{{model: {moe}, expert: 2}}"], "average"),
+          tmp_path / "merged", progress=False)
+    want, got = (load_file(tmp_path / d / "model.safetensors") for d in ("extracted", "merged"))
+    assert want.keys() == got.keys() and all(torch.equal(want[n], got[n]) for n in want)
+
+
+def test_moes_sharing_an_anchor_become_one_moe(moes, tmp_path):
+    """BAR / FlexOlmo: the anchor (expert 0, shared by both MoEs) as the base and the base
+    expert, the other experts routed beside it; streamed like any build. Each output expert
+    holds the bytes of the expert it came from."""
+    _, a, b = moes("mixtral")  # (two fine-tunes of one MoE: expert 0 stands for the anchor)
+    recipe = write_recipe(tmp_path / "bar.yaml", "\n".join([
+        "kind: moe", f"base_model: {{model: {a}, expert: 0}}", "experts:",
+        f"  - {{model: {a}, expert: 1, name: a1}}", f"  - {{model: {b}, expert: 1, name: b1}}",
+        f"  - {{model: {b}, expert: 2, name: b2}}", "include_base_expert: true",
+        "experts_per_token: 2"]) + "\n")
+    build(recipe, tmp_path / "out", progress=False)
+    out, inputs = classic(tmp_path / "out"), {"a": classic(a), "b": classic(b)}
+    expert = "model.layers.{}.block_sparse_moe.experts.{}.w2.weight"
+    for slot, (source, index) in enumerate([("a", 1), ("b", 1), ("b", 2), ("a", 0)]):
+        assert torch.equal(out[expert.format(1, slot)], inputs[source][expert.format(1, index)])
+    assert torch.isfinite(logits(tmp_path / "out")).all()
+
+
+def test_a_bad_expert_index_names_the_model_and_the_count(moes, tmp_path):
+    from typer.testing import CliRunner
+
+    from moemerge.cli import app
+
+    moe = moes("mixtral")[1]
+    with pytest.raises(CheckpointError, match=r"expert: 7, but it has 3 experts per layer"):
+        build(merge_recipe(tmp_path, [f"{{model: {moe}, expert: 7}}"], "average"),
+              tmp_path / "out", progress=False)
+    dense = tmp_path / "extracted"
+    CliRunner().invoke(app, ["extract", str(moe), str(dense), "--expert", "0"])
+    with pytest.raises(CheckpointError, match="is not one"):
+        build(merge_recipe(tmp_path, [f"{{model: {dense}, expert: 0}}"], "average",
+                           name="dense"), tmp_path / "out2", progress=False)
