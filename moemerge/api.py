@@ -58,7 +58,6 @@ from moemerge.report import human_bytes
 from moemerge.routing.calibration import (
     calibrated_routers,
     calibrates,
-    calibration_set,
     calibration_texts,
     expert_models,
 )
@@ -260,7 +259,7 @@ class _Build:
         if texts is not None:  # windows and targets (loss targets run each expert)
             with self.stage("preparing the calibration text"):
                 calibration = self._in_recipe(
-                    calibration_set, recipe.calibration, texts, tokenizer,
+                    kind.load("calibration_set"), recipe.calibration, texts, tokenizer,
                     expert_models(recipe, models))
         # once per build, after every check: tuning changes merge parameters, never routers
         make_router = router_maker(recipe, models)

@@ -41,6 +41,8 @@ def load_pretrained(auto_class: str, path, *, trust_remote_code: bool = False, *
 
     if Path(path).is_dir():
         check_model_dir_confined(Path(path))
+        if auto_class.startswith("AutoModel"):
+            check_form_loads(Path(path), transformers.__version__)
     register()
     try:
         with quiet_transformers():
@@ -50,6 +52,26 @@ def load_pretrained(auto_class: str, path, *, trust_remote_code: bool = False, *
         raise
     except Exception as exc:  # whatever a broken file makes a loader raise
         raise ValueError(f"{type(exc).__name__}: {str(exc)[:500]}") from exc
+
+
+def check_form_loads(path: Path, version: str) -> None:
+    """An MoE stored in transformers 5's fused form, on a transformers 4 that would load it
+    with its experts missing (random): a CheckpointError saying so, before the load."""
+    if int(version.split(".")[0]) >= 5 or not (path / "config.json").is_file():
+        return
+    from moemerge.architectures.forms import FUSED
+    from moemerge.io.reader import CheckpointReader
+
+    try:
+        with CheckpointReader(path) as reader:
+            form = reader.form
+    except CheckpointError:  # (a pickle, a broken file: the load itself says what is wrong)
+        return
+    if form == FUSED:
+        raise CheckpointError(
+                f"{path} stores its experts in transformers 5's fused form (experts.gate_up_proj "
+                f"stacks), which transformers {version} cannot load; upgrade transformers, or "
+                "use a copy in the classic form (what save_pretrained writes)")
 
 
 def load_causal_lm(path, *, what: str = "a causal LM", trust_remote_code: bool = False,

@@ -128,6 +128,7 @@ class MoELayout:
     tensors: dict[str, str] = field(default_factory=dict)
     layer_tensors: dict[str, str] = field(default_factory=dict)
     latent_attention: bool = False  # DeepSeek's: attention shapes not heads x head_dim
+    router_scoring: str = "softmax"  # DeepSeek-V3: sigmoid (plus its router bias)
 
     def expert_name(self, layer: int, expert: int, proj: str) -> str:
         return self.expert.format(layer=layer, expert=expert, proj=self.projections[proj])
@@ -250,8 +251,9 @@ def moe_family(layout: MoELayout, config: dict) -> DenseFamily:
         if layout.shared_expert is not None and not layout.fused_shared:
             layer[rest(layout.shared_expert).format(proj=disk)] = f"ffn.{proj}"
     layer |= {rest(t): "ffn" for t in layout.fused_shared}  # [gate; up] rows, merged whole
-    layer |= {rest(t): "router" for t in (layout.router, layout.shared_expert_gate,
-                                          layout.router_bias) if t is not None}
+    layer[rest(layout.router)] = "router"
+    layer |= {rest(t): role for t, role in ((layout.shared_expert_gate, "shared_gate"),
+                                            (layout.router_bias, "router_bias")) if t is not None}
     return DenseFamily(
         name=layout.name, model_types=(layout.model_type,), moe_target=None, tensors=tensors,
         layer_tensors=layer, optional=frozenset(["lm_head.weight"]), assemblies=MOE_INPUT,

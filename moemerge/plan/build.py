@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from moemerge.architectures import MoELayout, moe_layouts
 from moemerge.architectures.config import dense_config, moe_config
-from moemerge.errors import MismatchError
+from moemerge.errors import MismatchError, RecipeError
 from moemerge.plan.common import (
     expert_source,
     merge_job,
@@ -48,6 +48,7 @@ def plan_merge(recipe: MergeRecipe, models: list[SourceModel]) -> Plan:
         for name in write_order(ref.roles)
     ]
     config = dense_config(ref.config, dtype)
+    check_router_init(recipe, ref)
     if ref.family.layout is not None:  # MoEs merged expert by expert, stored as asked
         layout = moe_layouts()[ref.family.layout]
         jobs = fuse_jobs(stored_layout(layout, recipe.output), jobs)
@@ -60,6 +61,21 @@ def plan_merge(recipe: MergeRecipe, models: list[SourceModel]) -> Plan:
             if job.role in ("embed", "lm_head") else job for job in jobs]
     config["vocab_size"] = alignment.size
     return Plan([m.label for m in models], jobs, config, tokenizer=tokenizer)
+
+
+def check_router_init(recipe: MergeRecipe, ref: SourceModel) -> None:
+    """router.init: calibrate needs MoE inputs whose routers softmax their logits (the fit
+    is to the log of the inputs' routing: a shift shared by all logits is free)."""
+    if recipe.router.init != "calibrate":
+        return
+    if ref.family.layout is None:
+        raise RecipeError("router.init: calibrate: the inputs are dense models, which have no "
+                          "routers; it is for merges of MoE fine-tunes")
+    layout = moe_layouts()[ref.family.layout]
+    if layout.router_scoring != "softmax":
+        raise RecipeError(f"router.init: calibrate: {layout.name} scores experts with a "
+                          f"{layout.router_scoring} and a per-expert bias, which the fit to "
+                          "the inputs' softmax routing does not set; use router.init: merge")
 
 
 def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:

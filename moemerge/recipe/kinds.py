@@ -37,6 +37,8 @@ class Kind:
     card: str | None  # "module:function"(recipe, plan) -> (base models, what it is, details)
     router: str | None = None  # "module:Class"(recipe, models); .make(job, load) -> router
     calibrator: str | None = None  # "module:function"(model, calibration, stats) -> {layer: W}
+    # what the calibrator fits to: "module:function"(spec, texts, tokenizer, inputs)
+    calibration_set: str = "routing.calibration:calibration_set"
     # (`router.init: calibrate`: fitted on the built model; stats: what `extend` refits from)
     # a kind with no plan: "module:function"(recipe, out, *, recipe_dir, recipe_text, options,
     # progress, warn) doing the whole build
@@ -62,7 +64,8 @@ class Kind:
 KINDS = (
     Kind("merge", "merge", MergeRecipe, "one dense model merged from several", "inputs",
          "plan.build:plan_merge", "finish.card:merge_card", moe=False, tunable=True, gguf=True,
-         takes_moes=True,
+         takes_moes=True, calibrator="routing.moe_merge:refit_routers",
+         calibration_set="routing.moe_merge:teacher_routing",
          commands=("finetune --full", "inspect task-vectors"),
          tokenizer=lambda recipe: recipe.tokenizer_index),
     Kind("token_routed", "moe", MoERecipe,

@@ -318,6 +318,13 @@ class TokenizerSpec(Strict):
         return named
 
 
+class MergedRouters(Strict):
+    init: Literal["merge", "calibrate"] = Field(default="merge", description=(
+        "merge: the inputs' routers merged like any tensor (the recipe's method); calibrate: "
+        "then fitted again in closed form on the merged model to the inputs' own routing on "
+        "the calibration text (HARC)."))
+
+
 class MergeRecipe(_RecipeBase):
     """`kind: merge`: N dense models of one architecture become one dense model."""
 
@@ -333,6 +340,11 @@ class MergeRecipe(_RecipeBase):
                                             "vocabulary when the models' differ, or to add "
                                             "tokens (mergekit's `tokenizer:`); default: the "
                                             "base's (or first model's), which all must share.")
+    router: MergedRouters = Field(default_factory=lambda: MergedRouters(), description=(
+        "MoE inputs: how the output's routers are made."))
+    calibration: CalibrationText | None = Field(default=None, description=(
+        "MoE inputs, router.init: calibrate: text the routers are fitted on, each named after "
+        "the input whose routing it should keep (name=path), or one mixed text."))
 
     @property
     def inputs(self) -> list[ModelRef]:
@@ -369,6 +381,12 @@ class MergeRecipe(_RecipeBase):
         problems += own_setting_problems(self)
         if self.tokenizer is not None:
             problems += tokenizer_problems(self)
+        calibrates = self.router.init == "calibrate"
+        if calibrates and self.calibration is None:
+            problems.append("router.init: 'calibrate' needs a `calibration: {data: ...}` block")
+        if self.calibration is not None and not calibrates:
+            problems.append("calibration: given, but router.init is not 'calibrate' (nothing "
+                            "would read it)")
         if problems:
             raise ValueError("; ".join(dict.fromkeys(problems)))
         return self

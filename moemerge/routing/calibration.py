@@ -40,8 +40,10 @@ def calibration_texts(spec: CalibrationText, recipe_dir: Path) -> dict[str, list
 
 
 def expert_models(recipe, models: list[SourceModel]) -> list[SourceModel]:
-    """The routed experts in router-row order (the base last with include_base_expert)."""
-    experts = models[len(models) - len(recipe.experts):]
+    """The routed experts in router-row order (the base last with include_base_expert); a
+    merge's merged models."""
+    routed = getattr(recipe, "experts", None) or recipe.models
+    experts = models[len(models) - len(routed):]
     return experts + [models[0]] if getattr(recipe, "include_base_expert", False) else experts
 
 

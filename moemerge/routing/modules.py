@@ -21,10 +21,13 @@ from moemerge.architectures.tables import MoELayout, moe_layouts
 
 
 def layout_of(model: torch.nn.Module) -> MoELayout | None:
-    """The moe.yaml layout whose architecture the model's config names, if any."""
+    """The moe.yaml layout whose architecture the model's config names (else whose
+    model_type it has), if any."""
     names = set(getattr(model.config, "architectures", None) or [])
+    model_type = getattr(model.config, "model_type", None)
     return next((layout for layout in moe_layouts().values() if layout.architecture in names),
-                None)
+                next((layout for layout in moe_layouts().values()
+                      if layout.model_type == model_type), None))
 
 
 def router_paths(layout: MoELayout) -> list[tuple[str, ...]]:

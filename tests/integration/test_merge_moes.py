@@ -191,3 +191,70 @@ def test_a_bad_expert_index_names_the_model_and_the_count(moes, tmp_path):
     with pytest.raises(CheckpointError, match="is not one"):
         build(merge_recipe(tmp_path, [f"{{model: {dense}, expert: 0}}"], "average",
                            name="dense"), tmp_path / "out2", progress=False)
+
+
+def router_logits(path, ids) -> list[torch.Tensor]:
+    """transformers' own router logits of every layer ([tokens, E]), output_router_logits."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return list(model(input_ids=ids, output_router_logits=True).router_logits)
+
+
+def agreement(path, teacher, ids) -> float:
+    """The share of tokens whose top-1 expert under `path` is the teacher's, over layers."""
+    pairs = zip(router_logits(path, ids), router_logits(teacher, ids), strict=True)
+    return float(torch.cat([(a.argmax(-1) == b.argmax(-1)).float() for a, b in pairs]).mean())
+
+
+def calibrated_merge(tmp_path, models, texts, init="calibrate", name="cal", base=None):
+    data = ", ".join(f"{m.name}={t}" for m, t in zip(models, texts, strict=True))
+    extra = (f"router: {{init: calibrate}}\ncalibration: {{data: [{data}], max_tokens: 1024, "
+             "seq_len: 32}" if init == "calibrate" else "")
+    out = tmp_path / f"out-{name}"
+    build(merge_recipe(tmp_path, models, "ties" if base else "average", base, extra, name),
+          out, progress=False)
+    return out
+
+
+def test_recalibrated_routers_route_as_the_inputs_did(moes, tmp_path, tokenizer):
+    """Two fine-tunes whose routers were trained apart (random rows, large), merged: after
+    the merge each text goes through the merged model much as through its own fine-tune
+    once the routers are recalibrated, more than with the routers merged like any tensor
+    (measured top-1 agreement with the text's own fine-tune: 56 % -> 88 % and 27 % -> 80 %);
+    identical inputs recalibrate to their own routing (>= 97 % top-1)."""
+    base, a, b = moes("mixtral")
+    for path, seed in ((a, 5), (b, 6)):  # routers that disagree: new random rows, scale 1
+        tensors = load_file(path / "model.safetensors")
+        gen = torch.Generator().manual_seed(seed)
+        for name in [n for n in tensors if n.endswith(("gate.weight",)) and "experts" not in n]:
+            tensors[name] = torch.randn(tensors[name].shape, generator=gen)
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    texts = []
+    for i, line in enumerate(["def add(a, b):\n    return a + b\n",
+                              "The sum of two numbers is their total.\n"]):
+        texts.append(tmp_path / f"t{i}.txt")
+        texts[-1].write_text(line * 80)
+    ids = [torch.tensor([tokenizer(t.read_text()[:400])["input_ids"][:64]]) for t in texts]
+    merged = calibrated_merge(tmp_path, [a, b], texts, "merge", "merged")
+    calibrated = calibrated_merge(tmp_path, [a, b], texts)
+    for teacher, text in zip((a, b), ids, strict=True):
+        before, after = agreement(merged, teacher, text), agreement(calibrated, teacher, text)
+        assert after > before + 0.1 and after >= 0.7, (before, after)
+    same = calibrated_merge(tmp_path, [a, a], texts[:1] * 2, name="same")
+    assert agreement(same, a, ids[0]) >= 0.97
+
+
+def test_calibration_needs_moe_inputs_and_softmax_routers(moes, model_factory, tmp_path):
+    from moemerge.errors import RecipeError
+
+    text = tmp_path / "t.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 40)
+    dense = model_factory("llama")
+    with pytest.raises(RecipeError, match="dense models, which have no routers"):
+        calibrated_merge(tmp_path, [dense, dense], [text, text], name="dense")
+    v3 = moes("deepseek_v3")[1]
+    with pytest.raises(RecipeError, match="deepseek_v3 scores experts with a sigmoid"):
+        calibrated_merge(tmp_path, [v3, v3], [text, text], name="v3")
+    with pytest.raises(RecipeError, match="router.init is not 'calibrate'"):
+        build(merge_recipe(tmp_path, [v3, v3], extra=f"calibration: {{data: [{text}]}}",
+                           name="unread"), tmp_path / "x", progress=False)
