@@ -247,6 +247,8 @@ def _describe(err: dict, path: tuple = ()) -> str:
     field = ".".join(str(p) for p in path) if path else _field_path(err["loc"])
     if err["type"] == "extra_forbidden":
         key = err["loc"][-1] if err["loc"] else ""
+        if key in _field_names():  # right word, wrong block (a merge input has no `name`)
+            return f"{field}: unknown field here ({key!r} is a field of other blocks, not this one)"
         return (f"{field}: unknown field (misspelt, or not valid here)"
                 f"{did_you_mean(key, _field_names())}")
     if err["type"] == "union_tag_invalid":

@@ -202,6 +202,42 @@ def test_a_shrunk_moe_converts_with_its_experts_intact(tmp_path):
                               shrunk[name.format(layer, "gate.weight")].numpy())
 
 
+@needs_converter
+def test_a_merge_of_moe_fine_tunes_in_both_forms_converts(tmp_path):
+    """Two Mixtral fine-tunes, one stored fused (transformers 5's stacks, as mergekit 0.1.5
+    writes), merged by `kind: merge` with --gguf: the GGUF's expert stacks are the mean of
+    the inputs' experts, bit for bit in f32."""
+    import numpy as np
+    import torch
+
+    from moemerge.api import build
+    from moemerge.io.reader import CheckpointReader
+
+    recipe = sentencepiece_moe(tmp_path, count=2)
+    text = recipe.read_text()
+    build(recipe, tmp_path / "a", progress=False, verify="structure")
+    recipe.write_text(text + "seed: 1\nrouter: {init: random, std: 0.5}\n"
+                      "output: {experts: fused}\n")
+    build(recipe, tmp_path / "b", progress=False, verify="structure")
+    merge = write_recipe(tmp_path / "merge.yaml", f"kind: merge\nmodels: [{tmp_path / 'a'}, "
+                         f"{tmp_path / 'b'}]\nmerge: {{method: average}}\n")
+    code, out = run("build", merge, tmp_path / "out", "--gguf", "f32")
+    assert code == 0, out
+    reader = gguf_reader(tmp_path / "out" / "model-f32.gguf")
+    found = {t.name: np.asarray(t.data) for t in reader.tensors}
+    with CheckpointReader(tmp_path / "a") as a, CheckpointReader(tmp_path / "b") as b:
+        assert (a.form, b.form) == ("classic", "fused")
+        name = "model.layers.1.block_sparse_moe.{}"
+        router = (a.read(name.format("gate.weight")) + b.read(name.format("gate.weight"))) / 2
+        assert not torch.equal(a.read(name.format("gate.weight")),
+                               b.read(name.format("gate.weight")))
+        assert np.array_equal(found["blk.1.ffn_gate_inp.weight"], router.numpy())
+        up = torch.stack([(a.read(name.format(f"experts.{e}.w3.weight"))
+                           + b.read(name.format(f"experts.{e}.w3.weight"))) / 2
+                          for e in range(2)])
+        assert np.array_equal(found["blk.1.ffn_up_exps.weight"], up.numpy())
+
+
 def test_a_layout_llama_cpp_cannot_convert_is_refused_before_any_tensor_is_read(
         model_factory, tmp_path, no_converter, monkeypatch):
     """FlexOlmo (from OLMo-2 sources): llama.cpp's converter has no FlexOlmoForCausalLM. The
