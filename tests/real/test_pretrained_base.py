@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from conftest import write_recipe
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -86,7 +87,12 @@ KINDS = {  # name -> recipe lines after the models; experts are two copies of th
                  "experts_per_token: 2", "router: {init: random}"],
     "upcycle-deepseek": ["kind: upcycle", "experts: 2", "granularity: 4", "shared_experts: 1",
                          "experts_per_token: 1", "router: {init: virtual_group}"],
+    # the upcycle stored in transformers 5's fused stacks (output.experts: fused)
+    "upcycle-fused": ["kind: upcycle", "experts: 4", "granularity: 2", "experts_per_token: 2",
+                      "router: {init: virtual_group}"],
 }
+FUSED_NEEDS = pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
+                                 reason="fused stacks need transformers 5")
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +104,9 @@ def built(real_base, tmp_path_factory):
         if kind not in made:
             models = ([f"model: {real_base}"] if kind.startswith("upcycle") else
                       [f"base_model: {real_base}", f"experts: [{real_base}, {real_base}]"])
+            stored = ", experts: fused" if kind.endswith("-fused") else ""
             recipe = "\n".join([*KINDS[kind][:2], *models, *KINDS[kind][2:],
-                                "output: {dtype: float32}"]) + "\n"
+                                f"output: {{dtype: float32{stored}}}"]) + "\n"
             build(write_recipe(root / f"{kind}.yaml", recipe), root / kind, progress=False)
             made[kind] = AutoModelForCausalLM.from_pretrained(
                 root / kind, dtype=torch.float32, trust_remote_code=True).eval()
@@ -108,7 +115,8 @@ def built(real_base, tmp_path_factory):
     return make
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=[FUSED_NEEDS] if k.endswith("-fused")
+                                               else []) for k in KINDS])
 def test_identical_experts_compute_the_dense_model(kind, built, dense):
     model, tokenizer = dense
     ours = built(kind)
