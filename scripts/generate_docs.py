@@ -5,7 +5,8 @@
   kinds table (moemerge/recipe/kinds.py);
 - docs/reference/support.md and the README's generated blocks: kinds x output layouts x
   commands, source families x kinds (kinds table, architectures/dense.yaml and moe.yaml), the
-  merge methods (the registry) and the commands.
+  merge methods (the registry) and the commands;
+- docs/moe-inputs.md's table: MoE families x forms x commands (moe.yaml).
 
 `python scripts/generate_docs.py` rewrites them; `--check` rewrites nothing and exits 1 naming
 what is stale (tests/test_docs.py runs it)."""
@@ -191,6 +192,34 @@ def families_table() -> str:
     return "\n".join(rows)
 
 
+def _twin(layout) -> str:
+    """What an expert of `layout` becomes as a dense model (`extract`, `expert:` inputs)."""
+    families = dense_families().values()
+    twin = next((f for f in families if layout.name in (f.moe_target, f.shared_target)), None)
+    if twin is None:
+        return "no (no dense family has its attention and norms)"
+    dense = " / ".join(twin.model_types)
+    if layout.shared_expert_gate is not None:
+        return f"{dense}, when its gated shared expert is zero (else refused)"
+    return dense + (" + its ungated shared expert, joined" if layout.shared_expert else "")
+
+
+def moe_inputs_table() -> str:
+    """MoE families x what moemerge does with a checkpoint of each (docs/moe-inputs.md)."""
+    rows = ["| family (`model_type`) | forms read | `merge` of fine-tunes | `shrink` | "
+            "`extract`, `expert:` input | `finetune`, `inspect routing` | built by moemerge |",
+            "|---|---|---|---|---|---|---|"]
+    for layout in moe_layouts().values():
+        forms = "classic, fused" if layout.fused_form else "classic"
+        routers = ("routers merged or calibrated" if layout.router_scoring == "softmax"
+                   else f"routers merged ({layout.router_scoring} scoring: no calibrate)")
+        built = (f"yes (`output.experts`: {forms.replace(', ', ' or ')})" if layout.builds
+                 else "no")
+        rows.append(f"| {_class(layout)} (`{layout.model_type}`) | {forms} | yes, {routers} | "
+                    f"yes, in its own form | {_twin(layout)} | yes | {built} |")
+    return "\n".join(rows)
+
+
 def methods_summary() -> str:
     rows = ["| method | what it does | parameters |", "|---|---|---|"]
     for row in methods_table():
@@ -217,7 +246,8 @@ def support_page() -> str:
 
 
 BLOCKS = {"support": lambda: kinds_table() + "\n\n" + families_table(),
-          "methods": methods_summary, "commands": commands_table}
+          "methods": methods_summary, "commands": commands_table,
+          "moe_inputs": moe_inputs_table}
 
 
 def with_blocks(text: str) -> str:
@@ -229,11 +259,12 @@ def with_blocks(text: str) -> str:
 
 
 def outputs() -> dict[Path, str]:
-    readme = ROOT / "README.md"
+    readme, moe_inputs = ROOT / "README.md", ROOT / "docs/moe-inputs.md"
     return {ROOT / "docs/reference/cli.md": cli_reference() + "\n",
             ROOT / "docs/reference/recipe.md": recipe_reference() + "\n",
             ROOT / "docs/reference/support.md": support_page() + "\n",
-            readme: with_blocks(readme.read_text())}
+            readme: with_blocks(readme.read_text()),
+            moe_inputs: with_blocks(moe_inputs.read_text())}
 
 
 def main() -> int:

@@ -258,3 +258,23 @@ def test_calibration_needs_moe_inputs_and_softmax_routers(moes, model_factory, t
     with pytest.raises(RecipeError, match="router.init is not 'calibrate'"):
         build(merge_recipe(tmp_path, [v3, v3], extra=f"calibration: {{data: [{text}]}}",
                            name="unread"), tmp_path / "x", progress=False)
+
+
+def test_moemerges_own_deepseek_moes_merge_with_their_code(model_factory, tmp_path):
+    """moemerge's DeepSeek-MoE (its modeling code shipped beside the weights): the merge keeps
+    `auto_map` and the code, and is the mean of its inputs."""
+    base = model_factory("llama")
+    experts = [perturbed_copy(base, tmp_path / f"e{i}", scale=0.05, seed=i + 1)
+               for i in range(2)]
+    recipe = write_recipe(tmp_path / "ds.yaml", "\n".join([
+        "kind: moe", f"base_model: {base}", f"experts: [{experts[0]}, {experts[1]}]",
+        "layout: deepseek", "shared_expert: base", "experts_per_token: 1"]) + "\n")
+    build(recipe, tmp_path / "a", progress=False, warn=lambda message: None)
+    tuned = perturbed_copy(tmp_path / "a", tmp_path / "b", scale=0.05, seed=9)
+    build(merge_recipe(tmp_path, [tmp_path / "a", tuned]), tmp_path / "out", progress=False)
+    a, b, out = classic(tmp_path / "a"), classic(tuned), classic(tmp_path / "out")
+    assert all(torch.allclose(out[n], (a[n] + b[n]) / 2, rtol=0, atol=1e-7) for n in out)
+    assert (tmp_path / "out" / "modeling_deepseek.py").is_file()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True)
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=IDS).logits).all()
