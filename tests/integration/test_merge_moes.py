@@ -81,15 +81,18 @@ def test_an_average_of_two_moes_is_their_mean_in_either_form(family, moes, tmp_p
 
 @pytest.mark.parametrize("family", ["mixtral", "granitemoe"])
 def test_identical_fine_tunes_merge_to_the_moe_bit_for_bit(family, moes, tmp_path):
-    """TIES against the base over two copies of one fine-tune (in two forms) gives it back:
-    every task vector agrees with itself, nothing is trimmed that the copy keeps."""
+    """One fine-tune twice (once in each form): their average is it, bit for bit, and task
+    arithmetic against the base gives it back to rounding (base + the mean of two equal task
+    vectors)."""
     base, tuned, _ = moes(family)
     fused = save_moe(AutoModelForCausalLM.from_pretrained(tuned), tmp_path / "fused", FUSED)
-    build(merge_recipe(tmp_path, [tuned, fused], "task_arithmetic", base,
-                       "  # (weights 0.5 each: the mean task vector)"), tmp_path / "out",
-          progress=False)
-    out, want = classic(tmp_path / "out"), classic(tuned)
-    assert out.keys() == want.keys()
+    want = classic(tuned)
+    build(merge_recipe(tmp_path, [tuned, fused]), tmp_path / "mean", progress=False)
+    out = classic(tmp_path / "mean")
+    assert out.keys() == want.keys() and all(torch.equal(out[n], want[n]) for n in out)
+    build(merge_recipe(tmp_path, [tuned, fused], "task_arithmetic", base, name="ta"),
+          tmp_path / "ta", progress=False)
+    out = classic(tmp_path / "ta")
     for name in out:
         torch.testing.assert_close(out[name], want[name], rtol=0, atol=1e-6, msg=name)
 

@@ -11,6 +11,7 @@ import torch
 import transformers
 from conftest import TOKEN_ROUTED_FAMILIES, needs_class, perturbed_copy, write_recipe
 from moe_families import tensor_names
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
@@ -69,6 +70,14 @@ def test_a_fused_output_is_the_classic_one_stacked(family, shared, model_factory
     classic = logits(outs[CLASSIC])
     torch.testing.assert_close(logits(outs[FUSED]), classic, rtol=0, atol=1e-6)
     assert not torch.allclose(classic, logits(experts[0]), atol=1e-3)  # (the MoE's own)
+    if shared == "none":  # extract of expert 1 from the stacks: the dense expert's own FFN
+        result = CliRunner().invoke(app, ["extract", str(outs[FUSED]), str(tmp_path / "x"),
+                                          "--expert", "1"])
+        assert result.exit_code == 0, result.output
+        got, want = (load_file(path / "model.safetensors") for path in (tmp_path / "x",
+                                                                          experts[1]))
+        ffn = [n for n in want if ".mlp." in n]
+        assert ffn and all(torch.equal(got[n], want[n]) for n in ffn)
 
 
 def tensor_names_all(path) -> list[str]:
