@@ -66,6 +66,7 @@ from moemerge.routing.statistics import keep_statistics
 from moemerge.tune import (
     TUNING_FILE,
     Candidate,
+    Progress,
     TuneResult,
     check_length,
     check_options,
@@ -114,6 +115,9 @@ class BuildResult:
     # MixtralForCausalLM, logits finite")
 
 
+OnCandidate = Callable[[Candidate, Progress], None]  # build --tune-on's progress line
+
+
 def build(
     recipe: AnyRecipe | Path | str,
     out: Path | None,
@@ -122,7 +126,7 @@ def build(
     source: RecipeSource | None = None,
     progress: bool = True,
     warn: Warn | None = None,
-    on_candidate: Callable[[Candidate], None] | None = None,
+    on_candidate: OnCandidate | None = None,
     **option_values,
 ) -> BuildResult:
     """Build `out` from a recipe: a parsed recipe object, or a recipe file's path (then
@@ -151,11 +155,12 @@ def build_file(path: Path, out: Path | None, options: BuildOptions | None = None
                  source=RecipeSource(path.read_text(), path.parent, path), **callbacks)
 
 
+
 class _Build:
     """One build's state from checks to install; each method is a stage."""
 
     def __init__(self, recipe: AnyRecipe, source: RecipeSource, options: BuildOptions, *,
-                 progress: bool, warn: Warn, on_candidate: Callable[[Candidate], None] | None):
+                 progress: bool, warn: Warn, on_candidate: OnCandidate | None):
         self.recipe, self.source, self.options = recipe, source, options
         self.kind: Kind = kind_of(recipe)
         self.warn, self.on_candidate = warn, on_candidate

@@ -53,6 +53,10 @@ class TuneOptions:
     max_tokens: int = Field(8192, le=MAX_TOKENS, description="Tokens of the held-out text "
                             "scored per candidate.")
     seq_len: int = Field(64, le=MAX_SEQ_LEN, description="Window length when scoring.")
+    budget: float | None = Field(None, gt=0, le=7 * 24 * 3600, description=(
+        "Seconds the search may take: it stops before a candidate that would end past them "
+        "(at the mean time per candidate so far), the roles not reached keeping the recipe's "
+        "values. Default: the whole grid."))
 
 
 class BuildOptions(BaseModel):

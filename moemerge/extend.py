@@ -1,13 +1,16 @@
-"""`moemerge extend`: new experts joined to an MoE that `moemerge build` made, without
-rebuilding it (docs/extend.md): a calibrated token-routed MoE (below), or a seq_routed /
-merged_experts one (finish/extend/seq_routed.py, merged.py: the new stack or FFN weights join,
-each router is a rebuild's: its random draw, or calibrated again on all the text).
+"""`moemerge extend`: new experts joined to an MoE without rebuilding it (docs/extend.md): a
+calibrated token-routed MoE that `moemerge build` made (below), a seq_routed / merged_experts
+one (finish/extend/seq_routed.py, merged.py: the new stack or FFN weights join, each router is
+a rebuild's: its random draw, or calibrated again on all the text), or a token-routed MoE it
+did not build (a hub Mixtral, Qwen-MoE, ...: `_extend_foreign`, its routers' rows kept and a
+row per new expert fitted on calibration text, routing/new_rows.py).
 
 The MoE's tensors are copied with the new experts' FFNs added in every layer. The routers are
 refitted from the ridge statistics the build kept (routing/statistics.py) plus the new
 experts' calibration text, the only text that runs through the model (fast: layer 0 exact,
 deeper layers fitted on the old model's hidden states for the old text), or, with
-`recalibrate`, calibrated again on all the text exactly as `build` does (a rebuild's routers).
+`recalibrate`, calibrated again on all the text exactly as `build` does (a rebuild's routers);
+a build that kept no statistics is calibrated again so, with a note saying so.
 
 Where the recipe's merge of the shared (non-FFN) tensors reads every expert, they are merged
 again with the new experts by build's planner and executor (finish/extend/remerge.py) unless
@@ -15,7 +18,8 @@ again with the new experts by build's planner and executor (finish/extend/remerg
 all the text. Each new expert is checked against the MoE's shapes and the recipe copy's base
 where it is at hand (finish/extend/same_base.py) before --calibration or --recalibrate is asked
 for: an expert of another base is the first thing to hear of. The output is written under the
-output rule (atomic, --force) with a recipe copy that rebuilds it from scratch.
+output rule (atomic, --force) with a recipe copy that rebuilds it from scratch, in the MoE's
+own on-disk form (a fused MoE is written fused).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 
 from moemerge.analysis.routing import expert_labels
 from moemerge.architectures.forms import layout_of
+from moemerge.architectures.tables import MoELayout
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.eval.perplexity import load_tokenizer
 from moemerge.finish.extend import merged, seq_routed
@@ -54,19 +59,22 @@ from moemerge.finish.verify import FULL_LOAD_LIMIT, check_loads
 from moemerge.io.atomic import RECIPE_COPY, SIDE_FILES, atomic_output_dir, copy_side_files
 from moemerge.io.paths import check_output_apart
 from moemerge.io.reader import CheckpointReader, read_config
+from moemerge.io.tensor_list import written_in
 from moemerge.io.writer import ShardedWriter, finite, overwrite_tensors, parse_size
 from moemerge.loading import check_seq_len, check_tokenizer_fits, vocab_rows
 from moemerge.modeling import is_merged_experts, is_sequence_routed
 from moemerge.plan.sources import SourceModel, open_sources, resolve_ref
 from moemerge.recipe.kinds import labelled_refs
-from moemerge.recipe.models import ModelRef
+from moemerge.recipe.models import CalibrationText, ModelRef
 from moemerge.routing.calibrate import Calibration, calibrate_token_routers
 from moemerge.routing.calibration import (
     calibrates,
     calibration_set,
     calibration_texts,
+    calibration_windows,
     model_as_stored,
 )
+from moemerge.routing.new_rows import grown_routers
 from moemerge.routing.refit import refit_token_routers
 from moemerge.routing.statistics import (
     STATS_FILE,
@@ -79,6 +87,8 @@ from moemerge.train.export import TRAINING_DIR
 from moemerge.words import plural
 
 __all__ = ["Extended", "extend_moe"]
+
+OWN_TEXT = "moe"  # --calibration moe=PATH: the text an MoE moemerge did not build keeps
 
 
 @dataclass
@@ -108,11 +118,17 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
         return _extend_assembly(moe, out, experts, config, names=names,
                                 calibration=calibration, keep_shared=keep_shared,
                                 recalibrate=recalibrate, force=force, verify=verify)
+    if not (moe / RECIPE_COPY).is_file():
+        return _extend_foreign(moe, out, experts, config, layout, names=names,
+                               calibration=calibration, recalibrate=recalibrate, force=force,
+                               verify=verify)
     _refuse_trained(moe)
     data, recipe = built_recipe(moe)
     changing = depends_on_experts(recipe)
     remerging = bool(changing) and not keep_shared
-    calibrating = recalibrate or remerging  # a re-merge changes every hidden state
+    # built before the statistics were kept: the routers are calibrated again on all the text
+    unstored = not (recalibrate or remerging) and not (moe / STATS_FILE).is_file()
+    calibrating = recalibrate or remerging or unstored  # a re-merge changes every hidden state
     stored, windows = (None, 0) if calibrating else _stored_statistics(
         moe, config, layout.experts_key(config))
     old = expert_labels(moe, layout.expert_count(config))
@@ -129,10 +145,12 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
         remerge = _shared_inputs(data, new, moe, out, remerging, stack)
         if remerge is not None and not checked:  # a base the re-merge found, not a local one
             _check_same_base(remerge.base, out, new, readers)
-        cal = _calibration(moe, recipe, new, labels, old_text=calibrating, remerge=remerge)
+        cal = _calibration(moe, recipe, new, labels, old_text=calibrating, remerge=remerge,
+                           unstored=unstored)
         tensors = extended_tensors(reader, layout, config, readers)
         if remerge is not None:
             tensors = remerge.replace(tensors)
+        tensors = written_in(reader.form, layout, tensors)  # a fused MoE stays fused
         size = sum(t.dtype.itemsize * math.prod(t.shape) for t in tensors)
         with atomic_output_dir(out, force=force, size=size) as tmp:
             _write(tmp, moe, tensors, grown, recipe.output.max_shard_size, recipe_text,
@@ -143,9 +161,110 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
             save_statistics(tmp / STATS_FILE, stats, windows + cal.ids.shape[0])
             if verify and size <= FULL_LOAD_LIMIT:
                 check_loads(tmp)
+    notes = [f"{moe} has no {STATS_FILE} (built before moemerge kept router statistics): "
+             "the routers were calibrated again on all the calibration text, the recipe "
+             "copy's and the new experts', as --recalibrate does"] if unstored else []
     return Extended([label.label for label in labels], len(tensors), size,
                     _remerged(changing, remerge), calibrating,
-                    [note] if (note := too_many_experts(grown)) else [])
+                    notes + ([note] if (note := too_many_experts(grown)) else []))
+
+
+def _extend_foreign(moe: Path, out: Path, experts: list[Path], config: dict, layout: MoELayout,
+                    *, names: list[str] | None, calibration: list[str] | None,
+                    recalibrate: bool, force: bool, verify: bool) -> Extended:
+    """A token-routed MoE moemerge did not build (no recipe copy): no base, no calibration
+    text and no router statistics are known. Its tensors are kept (the shared ones as they
+    are: nothing is merged again), the new experts' FFNs join, and each router keeps its
+    rows, gaining one per new expert fitted on calibration text: each new expert's own and
+    the text the MoE's own experts keep (`--calibration moe=PATH`), routing/new_rows.py."""
+    if not layout.builds:
+        raise CheckpointError(
+            f"{moe}: {layout.architecture}: extend adds a dense model's FFN as an expert, and "
+            f"no dense model family has {layout.name}'s attention and norms (no dense model is "
+            "fine-tuned from its base); extend grows Mixtral, Qwen2-MoE, Qwen3-MoE, FlexOlmo, "
+            "GraniteMoE and GraniteMoeShared MoEs")
+    if recalibrate:
+        raise RecipeError(f"--recalibrate: {moe} has no {RECIPE_COPY} (not built by moemerge), "
+                          "so there is no calibration text of its own to calibrate again on: "
+                          "its routers' rows are kept and the new experts' rows fitted on "
+                          "--calibration; leave --recalibrate out")
+    count = layout.expert_count(config)
+    old = expert_labels(moe, count)
+    new = new_experts(experts, names, old)
+    if any(e.name == OWN_TEXT for e in new):
+        raise RecipeError(f"--name {OWN_TEXT}: the name of the MoE's own calibration text "
+                          f"(--calibration {OWN_TEXT}=PATH); give the expert another --name")
+    labels = [*old, *(e.name for e in new)]
+    grown = dict(config, **{layout.experts_key(config): len(labels)})
+    with CheckpointReader(moe) as reader, ExitStack() as stack:
+        readers = [stack.enter_context(CheckpointReader(e.path)) for e in new]
+        for e, r in zip(new, readers, strict=True):
+            check_expert(reader, layout, config, r, f"--expert {e.path}")
+        own, given = _own_text(moe, calibration)
+        new = with_texts(new, given)
+        ids, domain, domains = _foreign_windows(moe, config, new, own)
+        routers = {layer: reader.read(name) for layer in range(config["num_hidden_layers"])
+                   if (name := layout.router_name(layer)) in reader}
+        tensors = written_in(reader.form, layout,
+                             extended_tensors(reader, layout, config, readers))
+        size = sum(t.dtype.itemsize * math.prod(t.shape) for t in tensors)
+        with atomic_output_dir(out, force=force, size=size) as tmp:
+            _write(tmp, moe, tensors, grown, "5GB", None, _foreign_card(moe, count, new))
+            fitted = grown_routers(model_as_stored(tmp), ids, domain,
+                                   [domains.index(e.name) for e in new], routers,
+                                   int(config["num_experts_per_tok"]))
+            overwrite_tensors(tmp, {layout.router_name(layer): router
+                                    for layer, router in fitted.items()})
+            if verify and size <= FULL_LOAD_LIMIT:
+                check_loads(tmp)
+    fitted_note = (f"{moe} has no stored router statistics (not built by moemerge): its "
+                   f"{plural(len(routers), 'router')} kept their {plural(count, 'row')} and "
+                   "gained a row per new expert, fitted on the calibration text (each new "
+                   f"expert's own and {OWN_TEXT}=)")
+    return Extended(labels, len(tensors), size, "", True,
+                    [fitted_note] + ([note] if (note := too_many_experts(grown)) else []))
+
+
+def _own_text(moe: Path, calibration: list[str] | None) -> tuple[str, list[str]]:
+    """(the MoE's own text, `moe=PATH`, as an absolute path; the other --calibration texts)."""
+    given = list(calibration or [])
+    own = [t for t in given if t.partition("=")[0] == OWN_TEXT]
+    if len(own) != 1:
+        raise RecipeError(
+            f"--calibration {OWN_TEXT}=PATH: {moe} was not built by moemerge, so it has no "
+            "calibration text or router statistics of its own; its routers keep their rows and "
+            "each new expert's row is fitted to come first on that expert's text and not be "
+            f"chosen on the text the MoE's experts keep: give that once, as {OWN_TEXT}=PATH "
+            "(any text the MoE should go on routing as before), with each new expert's "
+            "NAME=PATH")
+    path = Path(own[0].partition("=")[2])
+    if not path.exists():
+        raise RecipeError(f"--calibration {own[0]}: no such file or directory")
+    return str(path.resolve()), [t for t in given if t not in own]
+
+
+def _foreign_windows(moe: Path, config: dict, new: list[NewExpert], own: str
+                     ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """(windows [W, S+1], each window's text [W], the texts' names) of the new experts' texts
+    and the MoE's own, cut as a build's calibration cuts them (its default seq_len and
+    max_tokens), tokenized with the MoE's tokenizer."""
+    spec = CalibrationText(data=[*(f"{e.name}={e.text}" for e in new), f"{OWN_TEXT}={own}"])
+    texts = calibration_texts(spec, moe)
+    check_seq_len(spec.seq_len, "calibration windows", config, moe)
+    tokenizer = load_tokenizer(moe)
+    check_tokenizer_fits(tokenizer, vocab_rows(config), moe, moe)
+    return calibration_windows(spec, texts, tokenizer)
+
+
+def _foreign_card(moe: Path, count: int, new: list[NewExpert]) -> str:
+    return (f"# `{moe.name}` extended by {', '.join(e.name for e in new)}\n\n"
+            f"Written by `moemerge extend` from the MoE `{moe}` ({plural(count, 'expert')}; not "
+            "built by moemerge): its tensors as they were, the new experts' FFNs added in every "
+            "layer as experts "
+            f"{', '.join(str(count + k) for k in range(len(new)))}. Every router keeps its rows "
+            "for the old experts and gained one per new expert, fitted in closed form on the "
+            "calibration text: first on the new expert's own text, not chosen on the MoE's "
+            "(docs/extend.md).\n")
 
 
 def _shared_inputs(data: dict, new: list[NewExpert], moe: Path, out: Path, remerging: bool,
@@ -260,7 +379,7 @@ def _extend_assembly(moe: Path, out: Path, experts: list[Path], config: dict, *,
 
 
 def _write(tmp: Path, moe: Path, tensors: list, config: dict, shard_size: str,
-           recipe_text: str, card: str) -> None:
+           recipe_text: str | None, card: str) -> None:
     planned = [(t.name, t.dtype, t.shape) for t in tensors]
     with ShardedWriter(tmp, planned, max_shard_bytes=parse_size(shard_size)) as writer:
         for t in tensors:
@@ -268,12 +387,13 @@ def _write(tmp: Path, moe: Path, tensors: list, config: dict, shard_size: str,
                                         f"from {moe}, the new experts or their re-merge"))
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     copy_side_files(moe, tmp, SIDE_FILES)
-    (tmp / RECIPE_COPY).write_text(recipe_text)
+    if recipe_text is not None:  # (an MoE moemerge did not build: none to rebuild it)
+        (tmp / RECIPE_COPY).write_text(recipe_text)
     (tmp / "README.md").write_text(card)
 
 
 def _calibration(moe: Path, recipe, new: list[NewExpert], labels: list, *, old_text: bool,
-                 remerge: Remerge | None = None) -> Calibration:
+                 remerge: Remerge | None = None, unstored: bool = False) -> Calibration:
     """The windows the routers are fitted on: the new experts' texts, after (old_text) the
     recipe copy's, read as `moemerge build MOE/moemerge_recipe.yaml` reads them (a relative
     path next to MOE, else in the working directory): the windows and targets a rebuild has.
@@ -291,6 +411,11 @@ def _calibration(moe: Path, recipe, new: list[NewExpert], labels: list, *, old_t
                     "the new experts, which changes every hidden state, so the routers are "
                     "calibrated again on all the calibration text; restore it there, or pass "
                     "--keep-shared (the shared tensors stay as built)") from None
+            if unstored:
+                raise RecipeError(
+                    f"{moe / RECIPE_COPY}: {exc}: {moe} has no {STATS_FILE} (built before "
+                    "moemerge kept router statistics), so the routers are calibrated again "
+                    f"on all the calibration text; restore it there, or {REBUILD}") from None
             raise RecipeError(f"{moe / RECIPE_COPY}: {exc}: --recalibrate reads the build's "
                               "calibration text again; restore it there, or extend without "
                               "--recalibrate (refit from the stored statistics)") from None

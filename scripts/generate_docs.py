@@ -207,16 +207,21 @@ def _twin(layout) -> str:
 def moe_inputs_table() -> str:
     """MoE families x what moemerge does with a checkpoint of each (docs/moe-inputs.md)."""
     rows = ["| family (`model_type`) | forms read | `merge` of fine-tunes | `shrink` | "
-            "`extract`, `expert:` input | `finetune`, `inspect routing` | built by moemerge |",
-            "|---|---|---|---|---|---|---|"]
+            "`extract`, `expert:` input | `extend` | `finetune`, `inspect routing` | "
+            "built by moemerge |", "|---|---|---|---|---|---|---|---|"]
     for layout in moe_layouts().values():
         forms = "classic, fused" if layout.fused_form else "classic"
         routers = ("routers merged or calibrated" if layout.router_scoring == "softmax"
                    else f"routers merged ({layout.router_scoring} scoring: no calibrate)")
         built = (f"yes (`output.experts`: {forms.replace(', ', ' or ')})" if layout.builds
                  else "no")
+        twin = _twin(layout)
+        extend = ("yes: router rows kept, new rows fitted (`--calibration moe=PATH`)"
+                  if not twin.startswith("no") else "no (its new experts could not be dense)")
+        finetune = "yes" + (" (no `--aux-loss-coef`: transformers returns no aux loss)"
+                            if layout.latent_attention else "")
         rows.append(f"| {_class(layout)} (`{layout.model_type}`) | {forms} | yes, {routers} | "
-                    f"yes, in its own form | {_twin(layout)} | yes | {built} |")
+                    f"yes, in its own form | {twin} | {extend} | {finetune} | {built} |")
     return "\n".join(rows)
 
 

@@ -11,7 +11,7 @@ from rich.markup import escape
 from moemerge.build_options import BuildOptions, TuneOptions, build_options, tune_options
 from moemerge.cli.app import app, err, out, reports_errors
 from moemerge.merge.registry import METHOD_SPECS
-from moemerge.words import plural
+from moemerge.words import duration, plural
 
 # from the registry: what --tune-on may vary
 TUNABLE = [m.name for m in METHOD_SPECS if "lambda" in m.tunable]
@@ -62,6 +62,8 @@ def build(
                               ] = _listed(T["densities"]),
     tune_max_tokens: Annotated[int, Option("max_tokens", model=TuneOptions)] = T["max_tokens"],
     tune_seq_len: Annotated[int, Option("seq_len", model=TuneOptions)] = T["seq_len"],
+    tune_budget: Annotated[Optional[float],  # noqa: UP045
+                           Option("budget", model=TuneOptions, show_default=False)] = None,
     strict: Annotated[bool, Option("strict", "--strict")] = False,
     workers: Annotated[int, Option("workers")] = D["workers"],
     lookahead: Annotated[int, Option("lookahead")] = D["lookahead"],
@@ -86,7 +88,7 @@ def build(
         raise RecipeError("OUTPUT: missing; give an output directory, or --dry-run")
     tune = None if tune_on is None else tune_options(
         tune_on, lambdas=tune_lambdas, densities=tune_densities, max_tokens=tune_max_tokens,
-        seq_len=tune_seq_len)
+        seq_len=tune_seq_len, budget=tune_budget)
     options = build_options(
         dry_run=dry_run, force=force, allow_pickle=allow_pickle, verify=verify, strict=strict,
         allow_non_finite=allow_non_finite, workers=workers, lookahead=lookahead, device=device,
@@ -148,10 +150,14 @@ def _print_warning(message: str) -> None:
     err.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
-def _print_candidate(c) -> None:
+def _print_candidate(c, progress) -> None:
     setting = "as in the recipe" if c.lam is None else f"lambda {c.lam:g}" + (
         f" density {c.density:g}" if c.density is not None else "")
-    err.print(f"[dim]tune {c.role}: {setting}: perplexity {c.perplexity:.4f}[/]", highlight=False)
+    left = (f", about {duration(progress.seconds_left)} left"
+            if progress.done < progress.total else "")
+    err.print(f"[dim]tune {c.role}: {setting}: perplexity {c.perplexity:.4f} "
+              f"({progress.done}/{progress.total}, best {progress.best:.4f}{left})[/]",
+              highlight=False)
 
 
 @app.command()
@@ -196,16 +202,19 @@ def _input_problems(recipe, path: Path) -> tuple[list[str], list[str]]:
     near = Path(path).resolve().parent
     problems, hub = [], []
     for label, ref in labelled_refs(recipe):
-        places = [near / ref.model, Path(ref.model).expanduser()]
-        if any(p.is_dir() for p in places):
-            continue
-        if not looks_like_path(ref.model, (near,)):
-            hub.append(ref.model)
-        elif any(p.exists() for p in places):
-            problems.append(f"model {label}: {ref.model} is a file; a model is a directory")
-        else:
-            problems.append(f"model {label}: no directory {ref.model} (looked next to the "
-                            f"recipe, in {near}, and in the working directory)")
+        for what, name in (("model", ref.model), ("LoRA adapter", getattr(ref, "lora", None))):
+            if name is None:
+                continue
+            places = [near / name, Path(name).expanduser()]
+            if any(p.is_dir() for p in places):
+                continue
+            if not looks_like_path(name, (near,)):
+                hub.append(name)
+            elif any(p.exists() for p in places):
+                problems.append(f"{what} {label}: {name} is a file; a {what} is a directory")
+            else:
+                problems.append(f"{what} {label}: no directory {name} (looked next to the "
+                                f"recipe, in {near}, and in the working directory)")
     layout = getattr(recipe, "layout", None)
     if layout is not None and layout not in built_layouts():
         problems.append(f"layout: {layout!r} is not one of {', '.join(built_layouts())}"

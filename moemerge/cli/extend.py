@@ -1,5 +1,5 @@
 """`moemerge extend`: new experts joined to an MoE moemerge built (token_routed, seq_routed,
-merged_experts), no rebuild."""
+merged_experts) or a token-routed one it did not build, no rebuild."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ from moemerge.words import plural
 @app.command()
 @reports_errors
 def extend(
-    model: Annotated[Path, typer.Argument(help="An MoE built by `moemerge build`: token_routed "
+    model: Annotated[Path, typer.Argument(help="An MoE built by `moemerge build` (token_routed "
                                           "with router.init: calibrate, seq_routed or "
-                                          "merged_experts.", show_default=False)],
+                                          "merged_experts), or a Mixtral, Qwen2-MoE, "
+                                          "Qwen3-MoE, FlexOlmo or GraniteMoE it did not build.",
+                                          show_default=False)],
     output: Annotated[Path, typer.Argument(help="Where the extended MoE goes.",
                                            show_default=False)],
     expert: Annotated[list[Path], typer.Option(
@@ -30,7 +32,8 @@ def extend(
     calibration: Annotated[list[str] | None, typer.Option(
         "--calibration", help="The new expert's calibration text, NAME=PATH (or a bare PATH "
         "per --expert in order), in the forms `finetune --data` reads. Without --recalibrate "
-        "only this text runs through the model. Only for calibrated routers.",
+        "only this text runs through the model. Only for calibrated routers. For an MoE "
+        "moemerge did not build, also the text its own experts keep, moe=PATH.",
         show_default=False)] = None,
     recalibrate: Annotated[bool, typer.Option(
         "--recalibrate", help="Exact: calibrate every router again, layer by layer as `build` "
@@ -51,7 +54,7 @@ def extend(
         "all the text.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
 ) -> None:
-    """Add experts to an MoE that `moemerge build` made, without rebuilding it.
+    """Add experts to an MoE, built by moemerge or not, without rebuilding it.
 
     The MoE's tensors are copied and each new expert joins as expert E, E+1, ...:
     token_routed, its FFN in every layer; seq_routed, its whole decoder stack (and its own
@@ -67,7 +70,14 @@ def extend(
     calibrated routers are calibrated again on all the text (a note says so); --keep-shared
     keeps them as built. A new expert not fine-tuned from the MoE's base is refused. OUTPUT
     gets a recipe copy with the new experts appended, which `moemerge build` rebuilds from
-    scratch (docs/extend.md)."""
+    scratch (docs/extend.md). A calibrated MoE built before the statistics were kept is
+    calibrated again on all the text, as with --recalibrate (a note says so).
+
+    An MoE moemerge did not build (a hub Mixtral, in either on-disk form) has no recipe copy
+    or statistics: its tensors are kept, the new experts' FFNs join, and each router keeps
+    its rows and gains one per new expert, fitted on the new experts' texts and on
+    `--calibration moe=PATH`, text the MoE should go on routing as before (a note says so).
+    The output keeps the MoE's on-disk form."""
     from moemerge.io.atomic import sweep_output
     from moemerge.io.outputs import check_output, local_inputs
 

@@ -32,7 +32,7 @@ def _windows(ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
 MAX_TOKENS = 20000  # tokens of each text read by default
 
 
-def _scored_windows(tokenizer, text: str, seq_len: int, max_tokens: int | None,
+def scored_windows(tokenizer, text: str, seq_len: int, max_tokens: int | None,
                     prompt_tokens: int) -> list[torch.Tensor]:
     """The windows [<= seq_len + 1] of `text`'s first `max_tokens` tokens that get scored."""
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
@@ -45,7 +45,7 @@ def _scored_windows(tokenizer, text: str, seq_len: int, max_tokens: int | None,
 def window_counts(tokenizer, texts: Mapping[str, str], *, seq_len: int = 128,
                   max_tokens: int | None = MAX_TOKENS, prompt_tokens: int = 0) -> dict[str, int]:
     """{domain: number of windows `perplexity` scores on its text} for the same options."""
-    return {domain: len(_scored_windows(tokenizer, text, seq_len, max_tokens, prompt_tokens))
+    return {domain: len(scored_windows(tokenizer, text, seq_len, max_tokens, prompt_tokens))
             for domain, text in texts.items()}
 
 
@@ -78,7 +78,15 @@ def perplexity(
     tokens (a prompt; sequence-routed models make their routing decision there), then one on the
     rest with the KV cache; only the tokens after the prompt are scored, for every model alike.
     """
-    windows = _scored_windows(tokenizer, text, seq_len, max_tokens, prompt_tokens)
+    windows = scored_windows(tokenizer, text, seq_len, max_tokens, prompt_tokens)
+    return windows_perplexity(model, windows, batch_size=batch_size, prompt_tokens=prompt_tokens)
+
+
+@torch.no_grad()
+def windows_perplexity(model, windows: list[torch.Tensor], *, batch_size: int = 8,
+                       prompt_tokens: int = 0) -> float:
+    """`perplexity` on windows already cut (`scored_windows`): a text scored many times
+    (`build --tune-on`'s candidates) is tokenised once."""
     model.eval()
     device = next(model.parameters()).device
     total_nll, total_tokens = 0.0, 0

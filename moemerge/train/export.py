@@ -36,7 +36,7 @@ def trained_tensors(model: torch.nn.Module, names: list[str],
     params = dict(model.named_parameters())
     tensors = {n: params[n].detach().to("cpu", torch.float32) for n in names}
     disk = {n: (m.dtype, m.shape) for n, m in reader.metas.items()}
-    return to_disk_names(model, tensors, disk)
+    return to_disk_names(model, tensors, disk, reader.config)
 
 
 def export(model: torch.nn.Module, names: list[str], source: Path, out: Path, *, force: bool,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moemerge.errors import RecipeError
 from moemerge.token_blocks import Blocks, global_batch
 from moemerge.train.config import TrainConfig
 from moemerge.train.distributed import Dist, all_sum, shard
@@ -63,6 +64,9 @@ def _loss(model, block: torch.Tensor, aux_coef: float, ctx: Dist) -> tuple[torch
         # use_cache off: training needs no KV cache (a sequence-routed model keeps one per expert)
         out = model(input_ids=block[:, :-1], output_router_logits=aux_coef > 0, use_cache=False)
     lm = F.cross_entropy(out.logits.float().flatten(0, 1), block[:, 1:].flatten())
+    if aux_coef > 0 and getattr(out, "aux_loss", None) is None:
+        raise RecipeError(f"--aux-loss-coef {aux_coef}: {type(model).__name__} returned no "
+                          "load-balancing loss (aux_loss); leave it at 0")
     total = lm + aux_coef * out.aux_loss.float() if aux_coef > 0 else lm
     return total, lm.item()
 

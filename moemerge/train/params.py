@@ -21,10 +21,15 @@ from __future__ import annotations
 
 import torch
 
+from moemerge.architectures.forms import layout_of, name_pattern
+from moemerge.architectures.tables import MoELayout
 from moemerge.errors import MismatchError, OutputError, RecipeError
 from moemerge.modeling import is_merged_experts, is_sequence_routed
 
 PROJECTOR_NAMES = ("proj_in", "proj_out")
+# config keys of the token-routed MoEs whose forward returns a load-balancing loss (aux_loss):
+# transformers' Mixtral, Qwen-MoE, OLMoE, GraniteMoE, FlexOlmo; moemerge's DeepSeek-MoE
+BALANCE_KEYS = ("router_aux_loss_coef", "aux_loss_alpha")
 PART_MODULES = {  # part: (module names, which models have them)
     "projectors": (PROJECTOR_NAMES, "only the projector-bridged MoE kind has them"),
     "curvature": (("curvature",), "only merged-experts models built with curvature have it"),
@@ -118,21 +123,34 @@ def check_aux_loss(model: torch.nn.Module, coef: float, where: str) -> None:
         raise RecipeError(f"--aux-loss-coef {coef}: {where} routes sequences by "
                           f"{model.config.router}, which has no router logits to balance; "
                           "leave it at 0")
+    if coef > 0 and not is_sequence_routed(model.config) and not any(
+            hasattr(model.config, key) for key in BALANCE_KEYS):
+        raise RecipeError(f"--aux-loss-coef {coef}: {where}: {type(model).__name__} returns no "
+                          "load-balancing loss (transformers' DeepSeek-V2 / V3 train without "
+                          "one; V3 balances its experts with a per-expert routing bias, "
+                          "e_score_correction_bias, which finetune keeps as it is); leave it "
+                          "at 0")
 
 
 def to_disk_names(model: torch.nn.Module, tensors: dict[str, torch.Tensor],
-                  disk: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+                  disk: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                  config: dict | None = None) -> dict[str, torch.Tensor]:
     """In-memory parameters → the checkpoint's own tensor names, through transformers' reverse
     of its load-time conversion (block_sparse_moe → mlp renames; per-expert w1/w3 → fused
-    gate_up_proj [E, 2I, H], gate rows first; w2 → down_proj [E, H, I]). Every result must be a
-    tensor of the source checkpoint with its shape; a tied weight the source does not store is
-    left out."""
+    gate_up_proj [E, 2I, H], gate rows first; w2 → down_proj [E, H, I]). `disk` holds the
+    classic names (io.reader's view of either form): a checkpoint stored in transformers 5's
+    fused form loads with no conversion, so the in-memory names are its fused ones, which
+    `config` (the source's config.json) maps to the classic names through moe.yaml's
+    `fused_form`. Every result must be a tensor of the source checkpoint with its shape; a tied
+    weight the source does not store is left out."""
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # transformers 4: no conversion, in-memory names are the disk names
         mapped = dict(tensors)
     else:
         mapped = revert_weight_conversion(model, dict(tensors))
+    if config is not None and (layout := layout_of(config)) is not None:
+        mapped = _classic_names(layout, mapped, disk)
     tied = _tied_names(model)
     out = {}
     for name, tensor in mapped.items():
@@ -152,3 +170,28 @@ def _tied_names(model: torch.nn.Module) -> set[str]:
     if not getattr(model.config, "tie_word_embeddings", False):
         return set()
     return {"lm_head.weight"}
+
+
+def _classic_names(layout: MoELayout, tensors: dict[str, torch.Tensor],
+                   disk: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+                   ) -> dict[str, torch.Tensor]:
+    """Fused-form names (moe.yaml's `fused_form`) the source does not hold under them → its
+    classic names: a renamed tensor (Mixtral's mlp.gate, GraniteMoE's stacks) renamed, a stack
+    [E, rows, cols] split into each expert's projections (rows in the listed order)."""
+    patterns = {t: name_pattern(t) for t in layout.fused_form}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        found = None if name in disk else next(
+            ((t, m) for t, p in patterns.items() if (m := p.fullmatch(name))), None)
+        if found is None:
+            out[name] = tensor
+            continue
+        template, match = found
+        layer, target = int(match["layer"]), layout.fused_form[template]
+        if isinstance(target, str):
+            out[target.format(layer=layer)] = tensor
+            continue
+        for expert, block in enumerate(tensor):
+            for proj, part in zip(target, block.chunk(len(target)), strict=True):
+                out[layout.expert_name(layer, expert, proj)] = part
+    return out

@@ -4,6 +4,7 @@ from moemerge.tune.output import TUNING_FILE, tuned_recipe_text, tuning_json, tu
 from moemerge.tune.run import tune_recipe
 from moemerge.tune.search import (
     Candidate,
+    Progress,
     TuneOptions,
     TuneResult,
     check_length,
@@ -14,7 +15,7 @@ from moemerge.tune.search import (
 )
 
 __all__ = [
-    "TUNING_FILE", "Candidate", "TuneOptions", "TuneResult", "check_length", "check_options",
-    "read_held_out", "search", "tunable_jobs", "tune_recipe", "tuned_recipe_text", "tuning_json",
-    "tuning_table",
+    "TUNING_FILE", "Candidate", "Progress", "TuneOptions", "TuneResult", "check_length",
+    "check_options", "read_held_out", "search", "tunable_jobs", "tune_recipe",
+    "tuned_recipe_text", "tuning_json", "tuning_table",
 ]

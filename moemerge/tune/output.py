@@ -44,7 +44,7 @@ def tuning_json(result: TuneResult, opts: TuneOptions) -> str:
         "lambdas": list(opts.lambdas), "densities": list(opts.densities),
         "baseline_perplexity": result.baseline, "tuned_perplexity": result.tuned,
         "chosen": {r: {"lambda": lam, "density": d} for r, (lam, d) in result.chosen.items()},
-        "candidates": [vars(c) for c in result.candidates],
+        "candidates": [vars(c) for c in result.candidates], "stopped": result.stopped,
     }, indent=2) + "\n"
 
 
@@ -58,8 +58,9 @@ def tuning_table(result: TuneResult) -> Fitted:
         rows.append([f"[bold green]{x}[/]" if picked else x for x in cells])
     columns = [Column("role", "left", key=True), Column("lambda"), Column("density"),
                Column("perplexity")]
+    note = f" ({result.stopped})" if result.stopped else ""
     return Fitted(columns, rows,
-                  title=f"tuning: perplexity {result.baseline:.4f} -> {result.tuned:.4f}")
+                  title=f"tuning: perplexity {result.baseline:.4f} -> {result.tuned:.4f}{note}")
 
 
 def _describe(role: str, lam: float, density: float | None) -> str:

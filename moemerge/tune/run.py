@@ -14,13 +14,13 @@ from moemerge.loading import load_causal_lm
 from moemerge.plan.jobs import Plan
 from moemerge.recipe.load import AnyRecipe, parse_recipe
 from moemerge.tune.output import tuned_recipe_text
-from moemerge.tune.search import Candidate, TuneOptions, TuneResult, search
+from moemerge.tune.search import Candidate, Progress, TuneOptions, TuneResult, search
 
 
 def tune_recipe(draft: Path, write_draft: Callable[[Path], None], plan: Plan, load: Load,
                 tokenizer, held_out: dict[str, str], opts: TuneOptions, *, seed: int,
                 recipe_text: str, source: str,
-                report: Callable[[Candidate], None] | None = None
+                report: Callable[[Candidate, Progress], None] | None = None
                 ) -> tuple[AnyRecipe, str, TuneResult]:
     """(tuned recipe, its text, every candidate and the choice): `write_draft(draft)` writes the
     untuned model, which is loaded, searched (tune/search.py) and removed."""

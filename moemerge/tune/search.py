@@ -10,6 +10,7 @@ in memory ((N + 1) copies of that role's tensors: base and experts), then droppe
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 from moemerge.build_options import TuneOptions
 from moemerge.data import domain_texts
 from moemerge.errors import OutputError, RecipeError
-from moemerge.eval.perplexity import perplexity
+from moemerge.eval.perplexity import scored_windows, windows_perplexity
 from moemerge.execute import Load, compute
 from moemerge.merge.registry import METHOD_SPECS, get
 from moemerge.plan.jobs import Job, Plan, Source
@@ -49,6 +50,17 @@ class TuneResult:
     tuned: float  # perplexity with the chosen values
     candidates: list[Candidate]
     chosen: dict[str, tuple[float, float | None]]  # role -> (λ, density); absent = recipe's
+    stopped: str | None = None  # why the search ended early (--tune-budget), if it did
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a search stands after a candidate, for its progress line."""
+
+    done: int  # candidates scored, the baseline included
+    total: int  # candidates of the whole grid
+    best: float  # the best perplexity so far
+    seconds_left: float  # the rest of the grid at the mean time per candidate so far
 
 
 def read_held_out(path: Path | str) -> dict[str, str]:
@@ -57,13 +69,21 @@ def read_held_out(path: Path | str) -> dict[str, str]:
     return domain_texts([str(path)], what="--tune-on")
 
 
-def held_out_perplexity(model, tokenizer, texts: dict[str, str], opts: TuneOptions) -> float:
-    """The geometric mean over domains of each domain's perplexity on its first
-    max_tokens / N tokens: every domain weighs the same, however long its text (scoring the
-    first max_tokens of the texts joined would score mostly the first domain)."""
+HeldOut = dict[str, list[torch.Tensor]]  # domain -> its scored windows
+
+
+def held_out_windows(tokenizer, texts: dict[str, str], opts: TuneOptions) -> HeldOut:
+    """Each domain's windows over its first max_tokens / N tokens, cut once for every
+    candidate: every domain weighs the same, however long its text (scoring the first
+    max_tokens of the texts joined would score mostly the first domain)."""
     share = opts.max_tokens // len(texts)
-    logs = [math.log(perplexity(model, tokenizer, text, seq_len=opts.seq_len, max_tokens=share))
-            for text in texts.values()]
+    return {domain: scored_windows(tokenizer, text, opts.seq_len, share, 0)
+            for domain, text in texts.items()}
+
+
+def held_out_perplexity(model, held_out: HeldOut) -> float:
+    """The geometric mean over domains of each domain's perplexity."""
+    logs = [math.log(windows_perplexity(model, windows)) for windows in held_out.values()]
     return math.exp(sum(logs) / len(logs))
 
 
@@ -133,14 +153,18 @@ def check_length(tokenizer, texts: dict[str, str], opts: TuneOptions) -> None:
 
 
 def search(model, tokenizer, texts: dict[str, str], plan: Plan, load: Load, seed: int,
-           opts: TuneOptions, report: Callable[[Candidate], None] | None = None) -> TuneResult:
+           opts: TuneOptions, report: Callable[[Candidate, Progress], None] | None = None
+           ) -> TuneResult:
     """Tune each role in ROLE_ORDER over the grid, the other roles at their best so far; a role
-    keeps the recipe's values unless a grid point beats the best so far by MIN_GAIN."""
+    keeps the recipe's values unless a grid point beats the best so far by MIN_GAIN. With
+    `opts.budget`, the search stops before a candidate that would end past it (at the mean
+    time per candidate so far): the roles not reached keep the recipe's values."""
     jobs = tunable_jobs(plan)
     state = model.state_dict()  # shares storage with the model: copy_ updates it in place
     missing = [j.output for js in jobs.values() for j in js if j.output not in state]
     if missing:
         raise OutputError(f"tuning: the built model has no parameter {missing[0]!r}")
+    held_out = held_out_windows(tokenizer, texts, opts)  # tokenised once, scored many times
     cache: dict[Source, torch.Tensor] = {}
 
     def cached(source: Source) -> torch.Tensor:
@@ -161,29 +185,49 @@ def search(model, tokenizer, texts: dict[str, str], plan: Plan, load: Load, seed
             with torch.no_grad():
                 state[job.output].copy_(compute(job, cached, None, seed))
 
+    grid = {role: [(lam, density) for lam in opts.lambdas
+                   for density in (opts.densities if _with_density(role_jobs) else (None,))
+                   if fits(role, lam, density)]  # e.g. DELLA's density + epsilon >= 1
+            for role, role_jobs in jobs.items()}
+    total = 1 + sum(map(len, grid.values()))
+    started = time.monotonic()
+    candidates: list[Candidate] = []
+
     def score(role: str, lam: float | None, density: float | None) -> float:
-        ppl = held_out_perplexity(model, tokenizer, texts, opts)
+        ppl = held_out_perplexity(model, held_out)
         candidates.append(Candidate(role, lam, density, ppl))
         if report is not None:
-            report(candidates[-1])
+            spent = time.monotonic() - started
+            report(candidates[-1], Progress(len(candidates), total,
+                                            min(c.perplexity for c in candidates),
+                                            spent / len(candidates) * (total - len(candidates))))
         return ppl
 
-    candidates: list[Candidate] = []
+    def over_budget() -> bool:
+        spent = time.monotonic() - started
+        return opts.budget is not None and spent + spent / len(candidates) > opts.budget
+
     best = baseline = score("recipe", None, None)
     chosen: dict[str, tuple[float, float | None]] = {}
-    for role, role_jobs in jobs.items():
-        with_density = any(m.merge.get("density") is not None for j in role_jobs
-                           for m in merges_of(j))
+    stopped = None
+    for role, points in grid.items():
         scores = {}
-        for lam in opts.lambdas:
-            for density in opts.densities if with_density else (None,):
-                if not fits(role, lam, density):
-                    continue  # e.g. DELLA's density + epsilon >= 1: not a valid merge
-                set_role(role, lam, density)
-                scores[lam, density] = score(role, lam, density)
+        for lam, density in points:
+            if over_budget():
+                stopped = (f"--tune-budget {opts.budget:g} s: stopped after "
+                           f"{len(candidates)} of {total} candidates")
+                break
+            set_role(role, lam, density)
+            scores[lam, density] = score(role, lam, density)
         point = min(scores, key=scores.__getitem__) if scores else None  # first of equals
         if point is not None and scores[point] < best * (1 - MIN_GAIN):
             best, chosen[role] = scores[point], point
         set_role(role, *chosen.get(role, (None, None)))
         cache.clear()  # only one role's sources in memory at a time
-    return TuneResult(baseline, best, candidates, chosen)
+        if stopped:
+            break
+    return TuneResult(baseline, best, candidates, chosen, stopped)
+
+
+def _with_density(role_jobs: list[Job]) -> bool:
+    return any(m.merge.get("density") is not None for j in role_jobs for m in merges_of(j))

@@ -127,3 +127,33 @@ def test_several_domains_weigh_the_same(model_factory, tmp_path):
     code, text = run(path, tmp_path / "out2", "--tune-on", held, "--tune-seq-len", "32")
     text = " ".join(text.split())
     assert code == 2 and "(c_tiny) has" in text and "fewer than one window" in text, text
+
+
+def test_the_progress_line_and_the_budget(model_factory, tmp_path, held_out):
+    """Each candidate reports how many of the grid are done, the best so far and the time
+    left; a budget too small for the grid stops the search after the baseline and one more
+    candidate at most, the roles not reached keeping the recipe's values, and says so in
+    the table's title and the tuning file."""
+    import json
+
+    base = model_factory("llama")
+    experts = [perturbed_copy(base, tmp_path / f"e{i}", scale=1.0, seed=i, only="lm_head")
+               for i in range(2)]
+    path = recipe(tmp_path, base, experts, "{method: task_arithmetic, lambda: 1.0}")
+    seen = []
+    full = build(path, tmp_path / "full", progress=False, tune=TuneOptions(held_out, **GRID),
+                 on_candidate=lambda c, p: seen.append(p)).tuning
+    assert [p.done for p in seen] == list(range(1, len(full.candidates) + 1))
+    assert {p.total for p in seen} == {len(full.candidates)} == {16}  # 1 + 5 roles x 3 lambdas
+    assert seen[-1].seconds_left == 0 and seen[0].seconds_left > 0
+    assert [p.best for p in seen] == sorted((p.best for p in seen), reverse=True)
+    short = build(path, tmp_path / "short", progress=False,
+                  tune=TuneOptions(held_out, **GRID, budget=1e-3)).tuning
+    assert len(short.candidates) == 1 and short.chosen == {}
+    assert short.stopped == "--tune-budget 0.001 s: stopped after 1 of 16 candidates"
+    saved = json.loads((tmp_path / "short" / TUNING_FILE).read_text())
+    assert saved["stopped"] == short.stopped
+    code = runner.invoke(app, ["build", str(path), str(tmp_path / "cli"), "--tune-on",
+                               str(held_out), "--tune-max-tokens", "264", "--tune-seq-len",
+                               "32", "--tune-budget", "0"])
+    assert code.exit_code == 2 and "--tune-budget" in code.output
