@@ -218,6 +218,9 @@ def moe_inputs_table() -> str:
         twin = _twin(layout)
         extend = ("yes: router rows kept, new rows fitted (`--calibration moe=PATH`)"
                   if not twin.startswith("no") else "no (its new experts could not be dense)")
+        if layout.shared_expert_gate or layout.fused_shared:  # (tests/integration/test_moe_inputs)
+            extend = ("only a dense model of its base with the experts' FFN width; the expert "
+                      "`extract` gives (shared expert joined, or refused) is refused")
         finetune = "yes" + (" (no `--aux-loss-coef`: transformers returns no aux loss)"
                             if layout.latent_attention else "")
         rows.append(f"| {_class(layout)} (`{layout.model_type}`) | {forms} | yes, {routers} | "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import perturbed_copy, write_recipe
+from moe_families import FAMILIES as ALL_FAMILIES
 from moe_families import save_moe, tiny_moe_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
@@ -23,7 +24,7 @@ from moemerge.errors import CheckpointError, MismatchError
 from moemerge.io.reader import CheckpointReader
 
 IDS = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(0))
-FAMILIES = ["mixtral", "qwen2_moe", "granitemoeshared", "olmoe", "deepseek_v3"]
+FAMILIES = sorted(ALL_FAMILIES)
 
 
 def classic(path) -> dict[str, torch.Tensor]:
@@ -281,3 +282,20 @@ def test_moemerges_own_deepseek_moes_merge_with_their_code(model_factory, tmp_pa
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True)
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=IDS).logits).all()
+
+
+@pytest.mark.parametrize("family", sorted(set(ALL_FAMILIES) - {"deepseek_v3"}))
+def test_routers_recalibrate_in_every_softmax_family(family, moes, tmp_path, tokenizer):
+    """Every family whose routers softmax their logits: the calibrated merge builds, loads
+    with finite logits, and its routers are the fit's, not the merged ones."""
+    _, a, b = moes(family)
+    text = tmp_path / "t.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 60)
+    merged = calibrated_merge(tmp_path, [a, b], [text, text], "merge", "merged")
+    calibrated = calibrated_merge(tmp_path, [a, b], [text, text])
+    before, after = classic(merged), classic(calibrated)
+    routers = [n for n in before if n.endswith(("gate.weight", "router.layer.weight"))
+               and before[n].shape[0] == 3]
+    assert routers and all(not torch.equal(before[n], after[n]) for n in routers)
+    assert all(torch.equal(before[n], after[n]) for n in before if n not in routers)
+    assert torch.isfinite(logits(calibrated)).all()

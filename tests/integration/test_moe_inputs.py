@@ -103,8 +103,10 @@ def test_extract_is_the_experts_slice_of_the_stack_in_either_form(family, hub_mo
     assert torch.isfinite(logits(tmp_path / FUSED)).all()
 
 
-@pytest.mark.parametrize("family", sorted(set(FAMILIES) - set(DENSE_TWIN) - {"qwen2_moe"}))
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - set(DENSE_TWIN)))
 def test_extract_refuses_a_family_no_dense_model_computes(family, hub_moe, tmp_path):
+    """OLMoE and DeepSeek-V2/V3 have no dense twin; Qwen2-MoE's gated shared expert (non-zero
+    in every checkpoint but moemerge's shared_expert: none) has no dense equivalent."""
     code, text = run("extract", hub_moe(family, FUSED), tmp_path / "out", "--expert", 0)
     assert code != 0 and family in text and "Traceback" not in text, text
     assert not (tmp_path / "out").exists()
@@ -142,3 +144,22 @@ def test_shrink_of_the_fused_form_is_shrink_of_the_classic_form(family, hub_moe,
 def test_inspect_routing_reads_every_family(family, hub_moe, calib):
     code, text = run("inspect", "routing", hub_moe(family, FUSED), "--data", calib)
     assert code == 0, text
+
+
+@pytest.mark.parametrize("family", ["granitemoeshared", "qwen2_moe"])
+def test_extend_refuses_what_cannot_join_a_shared_expert_family(family, hub_moe, calib,
+                                                                model_factory, tmp_path):
+    """GraniteMoeShared: its extracted expert carries the shared MLP's rows (a wider FFN than
+    its experts'); Qwen2-MoE: no expert can be extracted, and another family's model is not
+    one of its base. Both refused with exit 1, naming why, nothing written."""
+    moe = hub_moe(family, CLASSIC)
+    if family == "granitemoeshared":
+        code, text = run("extract", moe, tmp_path / "x", "--expert", 0)
+        assert code == 0, text
+        expert, why = tmp_path / "x", "the MoE's experts' is"
+    else:
+        expert, why = model_factory("llama"), "not an expert of this MoE's base"
+    code, text = run("extend", moe, tmp_path / "out", "--expert", expert,
+                     "--calibration", f"{expert.name}={calib}", "--calibration", f"moe={calib}")
+    assert code == 1 and why in " ".join(text.split()), text
+    assert not (tmp_path / "out").exists()
