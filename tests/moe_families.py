@@ -80,3 +80,34 @@ def tensor_names(path: Path) -> list[str]:
     with open(path / "model.safetensors", "rb") as f:
         length = int.from_bytes(f.read(8), "little")
         return [n for n in json.loads(f.read(length)) if n != "__metadata__"]
+
+
+IDS = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(0))
+
+
+def logits(path: Path, ids: torch.Tensor = IDS) -> torch.Tensor:
+    """The logits transformers computes from the checkpoint at `path` (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def hub_moes(tmp_path_factory, tokenizer):
+    """make(family, form) -> a directory: one random model per family (seed 0) saved in
+    `form`, with a tokenizer; `make.model(family)` is the model itself (a module fixture of
+    the test files that read hub-shaped MoEs)."""
+    made, models = {}, {}
+
+    def make(family: str, form: str) -> Path:
+        if family not in models:
+            models[family] = tiny_moe_model(family)
+        if (family, form) not in made:
+            path = save_moe(models[family], tmp_path_factory.mktemp(family) / form, form)
+            tokenizer.save_pretrained(path)
+            made[family, form] = path
+        return made[family, form]
+
+    make.model = lambda family: models[family]
+    return make

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import perturbed_copy, write_recipe
 from moe_families import FAMILIES as ALL_FAMILIES
-from moe_families import save_moe, tiny_moe_model
+from moe_families import IDS, logits, save_moe, tiny_moe_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -23,7 +23,6 @@ from moemerge.architectures.forms import CLASSIC, FORMS, FUSED
 from moemerge.errors import CheckpointError, MismatchError
 from moemerge.io.reader import CheckpointReader
 
-IDS = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(0))
 FAMILIES = sorted(ALL_FAMILIES)
 
 
@@ -31,12 +30,6 @@ def classic(path) -> dict[str, torch.Tensor]:
     """Every tensor of `path` under its classic name (moemerge's view of either form)."""
     with CheckpointReader(path) as reader:
         return {name: reader.read(name) for name in reader.names()}
-
-
-def logits(path) -> torch.Tensor:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(input_ids=IDS).logits
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TEXT
-from moe_families import FAMILIES, save_moe, tiny_moe_model
+from moe_families import FAMILIES, hub_moes, logits
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from moemerge.architectures.forms import CLASSIC, FORMS, FUSED
@@ -21,7 +20,6 @@ from moemerge.cli import app
 from moemerge.io.reader import CheckpointReader
 
 runner = CliRunner()
-IDS = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(0))
 # families with a dense transformers class that computes one expert exactly (the others'
 # extraction is refused: OLMoE's whole-projection q/k norms, DeepSeek-V2/V3's latent attention)
 DENSE_TWIN = {"mixtral": "llama", "qwen3_moe": "qwen3", "flex_olmo": "olmo2",
@@ -40,29 +38,9 @@ def tensors(path) -> dict[str, torch.Tensor]:
     return found
 
 
-def logits(path) -> torch.Tensor:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(input_ids=IDS).logits
-
-
 @pytest.fixture(scope="module")
 def hub_moe(tmp_path_factory, tokenizer):
-    """hub_moe(family, form) -> a directory: the same random model (seed 0) in either form,
-    with a tokenizer; and the model itself as `hub_moe.model(family)`."""
-    made, models = {}, {}
-
-    def make(family: str, form: str):
-        if family not in models:
-            models[family] = tiny_moe_model(family)
-        if (family, form) not in made:
-            path = save_moe(models[family], tmp_path_factory.mktemp(family) / form, form)
-            tokenizer.save_pretrained(path)
-            made[family, form] = path
-        return made[family, form]
-
-    make.model = lambda family: models[family]
-    return make
+    return hub_moes(tmp_path_factory, tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 from conftest import TEXT, perturbed_copy
-from moe_families import FAMILIES, save_moe, tiny_moe_model
+from moe_families import FAMILIES, hub_moes, logits
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
@@ -28,7 +28,6 @@ from moemerge.io.reader import CheckpointReader
 from moemerge.routing.modules import find_routers
 
 runner = CliRunner()
-IDS = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(0))
 TRAIN = ["--steps", 2, "--seq-len", 32, "--batch-size", 2, "--lr", 1e-2, "-q"]
 MODES = {"router-only": "--router-only", "full": "--full"}
 # families whose expert is a dense model of a transformers class (`extract` writes one)
@@ -59,12 +58,6 @@ def form_of(path) -> str | None:
         return reader.form
 
 
-def logits(path) -> torch.Tensor:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(input_ids=IDS).logits
-
-
 def routers(path) -> set[str]:
     """The classic names of the MoE's routers."""
     with CheckpointReader(path) as reader:
@@ -75,20 +68,7 @@ def routers(path) -> set[str]:
 
 @pytest.fixture(scope="module")
 def hub_moe(tmp_path_factory, tokenizer):
-    """hub_moe(family, form) -> a directory: the same random model (seed 0) in either form,
-    with a tokenizer."""
-    made, models = {}, {}
-
-    def make(family: str, form: str):
-        if family not in models:
-            models[family] = tiny_moe_model(family)
-        if (family, form) not in made:
-            path = save_moe(models[family], tmp_path_factory.mktemp(family) / form, form)
-            tokenizer.save_pretrained(path)
-            made[family, form] = path
-        return made[family, form]
-
-    return make
+    return hub_moes(tmp_path_factory, tokenizer)
 
 
 @pytest.fixture(scope="module")
