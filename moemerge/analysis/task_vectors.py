@@ -26,10 +26,6 @@ ROLES = ("embed", "attn", "norm", "ffn", "lm_head")  # report order
 CHUNK = 1 << 20  # entries per float64 block: temporaries stay at ~N × 8 MiB whatever the tensor
 
 
-def _nan_to_none(x: float) -> float | None:
-    return None if math.isnan(x) else x
-
-
 @dataclass
 class GroupResult:
     """Finalised statistics of one group; matrices are N×N over experts, NaN where undefined."""

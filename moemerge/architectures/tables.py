@@ -59,17 +59,6 @@ class DenseFamily:
             return TensorRole(name, role, int(match["layer"]), proj or None)
         return None
 
-    def expected_names(self, num_layers: int, *, tied_embeddings: bool) -> list[str]:
-        """Every tensor a checkpoint of this family must hold (optional ones excluded)."""
-        names = [n for n in self.tensors if not (tied_embeddings and n in self.optional)]
-        for layer in range(num_layers):
-            names += [
-                f"model.layers.{layer}.{rest}"
-                for rest in self.layer_tensors
-                if rest not in self.optional and not _is_bias(rest)
-            ]
-        return names
-
     @property
     def allowed_layouts(self) -> tuple[str, ...]:
         """Every MoE layout this family can be written as (`layout:` in a recipe)."""
@@ -105,6 +94,7 @@ class MoELayout:
     shared_expert_gate: str | None = None  # its sigmoid gate [1, H]
     llama_cpp_renormalises_topk: bool = True
     renormalises_top1: bool = True  # False: a top-1 expert is scaled by its softmax weight
+    renormalises_topk: bool = False  # True: whatever norm_topk_prob says (Mixtral, Granite)
     llama_cpp_converts: bool = True  # llama.cpp's convert_hf_to_gguf.py knows the architecture
     holds_biases: bool = True
     num_experts_key: str = "num_experts"
@@ -152,12 +142,6 @@ class MoELayout:
 
 
 _LAYER_NAME = re.compile(r"model\.layers\.(?P<layer>\d+)\.(?P<rest>.+)")
-
-
-def _is_bias(rest: str) -> bool:
-    # biases are present only when the config asks for them (e.g. attention_bias); classify
-    # accepts them, but their absence is not an error
-    return rest.endswith(".bias")
 
 
 def _load(file: str) -> dict:

@@ -28,8 +28,6 @@ from moemerge.io.reader import CheckpointReader
 from moemerge.routing.calibrate import BATCH
 from moemerge.routing.modules import find_routers
 
-RENORMALISING = ("mixtral", "granitemoe", "granitemoeshared")  # renormalise top-k always
-
 
 @dataclass
 class LayerStats:
@@ -67,8 +65,9 @@ class LayerStats:
 
 
 def renormalises(layout: MoELayout, config: dict) -> bool:
-    """Whether the top-k weights are renormalised to sum 1 (Qwen / FlexOlmo: norm_topk_prob)."""
-    return layout.name in RENORMALISING or bool(config.get("norm_topk_prob", False))
+    """Whether the top-k weights are renormalised to sum 1 (always: moe.yaml's
+    `renormalises_topk`; else as config.json's norm_topk_prob says)."""
+    return layout.renormalises_topk or bool(config.get("norm_topk_prob", False))
 
 
 def _ffn(x: torch.Tensor, weights: dict[str, torch.Tensor], act) -> torch.Tensor:

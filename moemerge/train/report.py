@@ -4,7 +4,6 @@ report."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -104,6 +103,3 @@ def loss_plot(path: Path, records: list[dict]) -> None:
     fig.savefig(path)
 
 
-def routing_available() -> bool:
-    """True when the routing report (moemerge.analysis.routing) is installed."""
-    return importlib.util.find_spec("moemerge.analysis.routing") is not None
