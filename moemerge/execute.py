@@ -49,6 +49,25 @@ def check_device(name: str) -> torch.device:
     return device
 
 
+def _fused(job: Job, make: Callable[[Job], torch.Tensor]) -> torch.Tensor:
+    """A fuse job's tensor, each part written into its rows as it is made: the stack and one
+    part in memory, not every part and two copies of them."""
+    rows, cols = job.shape[-2:]
+    out = None
+    for g, group in enumerate(job.parts):
+        at = 0
+        for part in group:
+            piece = make(part)
+            if out is None:
+                out = torch.empty((len(job.parts), rows, cols), dtype=piece.dtype,
+                                  device=piece.device)
+            out[g, at:at + piece.shape[0]] = piece.reshape(-1, cols)
+            at += piece.shape[0]
+            del piece
+    assert out is not None, f"{job.output}: a fuse job with no parts"
+    return out.reshape(job.shape)
+
+
 def compute(job: Job, load: Load, make_router: MakeRouter | None, seed: int,
             device: torch.device | str = "cpu") -> torch.Tensor:
     """The output tensor of one job, in the job's dtype, on the CPU. A merge's arithmetic runs
@@ -72,10 +91,8 @@ def compute(job: Job, load: Load, make_router: MakeRouter | None, seed: int,
     elif job.kind == "router":
         assert make_router is not None, "router job without a router factory"
         out = make_router(job, load)
-    elif job.kind == "fuse":  # each group's parts concatenated by rows, the groups stacked
-        out = torch.stack([torch.cat([compute(part, load, make_router, seed, device)
-                                      for part in group]) for group in job.parts])
-        out = out.reshape(job.shape)
+    elif job.kind == "fuse":  # each group's parts by rows, the groups stacked [G, rows, cols]
+        out = _fused(job, lambda part: compute(part, load, make_router, seed, device))
     else:
         params = job.merge
         assert params is not None
