@@ -360,14 +360,18 @@ class _Build:
 
     def _local_inputs(self) -> list[tuple[str, Path]]:
         """(what, path) of every local input: the recipe file, the --tune-on text and every
-        model reference that names an existing local directory."""
+        model reference (and LoRA adapter) that names an existing local directory."""
         found = [("the recipe", self.source.path)] if self.source.path is not None else []
         if self.options.tune is not None:
             found.append(("the --tune-on text", Path(self.options.tune.text)))
         for label, ref in labelled_refs(self.recipe):
-            for candidate in (self._near() / ref.model, Path(ref.model).expanduser()):
-                if candidate.is_dir():
-                    found.append((f"input model {label}", candidate))
+            named = [(f"input model {label}", ref.model)]
+            if getattr(ref, "lora", None):
+                named.append((f"the adapter of input model {label}", ref.lora))
+            for what, path in named:
+                for candidate in (self._near() / path, Path(path).expanduser()):
+                    if candidate.is_dir():
+                        found.append((what, candidate))
         return found
 
     def _override_warnings(self, models: list[SourceModel], plan: Plan) -> list[str]:

@@ -20,7 +20,7 @@ from moemerge.architectures.config import COPIED, dtype_name, rope_keys
 from moemerge.architectures.forms import layout_of, name_pattern
 from moemerge.architectures.tables import DenseFamily, MoELayout, dense_families
 from moemerge.errors import CheckpointError, MismatchError
-from moemerge.io.reader import CheckpointReader, TensorMeta
+from moemerge.io.reader import CheckpointReader, DerivedReader, TensorMeta
 from moemerge.io.tensor_list import DenseTensor, Extraction, resolve_tie
 
 PROJECTIONS = ("gate", "up", "down")
@@ -182,12 +182,14 @@ def extract_token_routed(reader: CheckpointReader, config: dict, layout: MoELayo
     return extraction
 
 
-class ExpertReader:
+class ExpertReader(DerivedReader):
     """Expert `expert` of a token-routed MoE read as a dense checkpoint of its source family
     (the recipe's `{model: moe, expert: N}`): what `extract` writes, without writing it. Its
     FFN tensors are the expert's own bytes under dense names (copied as bytes where nothing
     changes them), the rest the MoE's; a GraniteMoeShared expert joined with the shared MLP is
     made when read. The MoE's reader is closed by its owner."""
+
+    whose = "'s expert"
 
     def __init__(self, moe: CheckpointReader, expert: int, label: str):
         layout = layout_of(moe.config)
@@ -209,33 +211,9 @@ class ExpertReader:
                       for name, t in self._tensors.items()}
         self.on_disk = self.metas
 
-    def names(self) -> list[str]:
-        return list(self.metas)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.metas
-
-    def meta(self, name: str) -> TensorMeta:
-        if name not in self.metas:
-            raise CheckpointError(f"tensor {name!r} is not in {self.directory}'s expert")
-        return self.metas[name]
-
     def stored(self, name: str) -> TensorMeta | None:
         source = self._tensors[name].source
         return None if source is None or self.moe.stored(source) is None else self.meta(name)
 
     def read(self, name: str) -> torch.Tensor:
         return self._tensors[name].make()
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(m.nbytes for m in self.metas.values())
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> ExpertReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass

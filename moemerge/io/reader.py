@@ -328,6 +328,40 @@ class CheckpointReader:
         self.close()
 
 
+class DerivedReader:
+    """The reader interface (names, meta, total_bytes, a context manager that closes nothing)
+    of a checkpoint another reader presents in place (io/moe_expert.ExpertReader,
+    io/adapter.AdapterReader), over its `metas`; the reader it wraps is closed by its owner."""
+
+    metas: dict[str, TensorMeta]
+    directory: Path
+    whose = ""  # what a missing tensor's error says it is not in, after the directory
+
+    def names(self) -> list[str]:
+        return list(self.metas)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.metas
+
+    def meta(self, name: str) -> TensorMeta:
+        if name not in self.metas:
+            raise CheckpointError(f"tensor {name!r} is not in {self.directory}{self.whose}")
+        return self.metas[name]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(m.nbytes for m in self.metas.values())
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 def _close(handle: Any) -> None:
     if isinstance(handle, _RawFile):  # a pickle's dict just loses its last reference
         handle.close()

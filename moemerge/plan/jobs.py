@@ -110,23 +110,31 @@ class Plan:
     notes: list[str] = field(default_factory=list)  # build warns each; the model card lists them
     tokenizer: str | None = None  # the output's tokenizer.json when the plan makes one
     resident_bytes: int = 0  # what the sources' changes hold between jobs (the memory estimate)
+    # (input, tensor) -> what the input's reader makes of its stored tensor ("base + LoRA
+    # r=8": a LoRA adapter on the model, io/adapter.py), for --dry-run
+    made: dict[tuple[int, str], str] = field(default_factory=dict)
+    making_bytes: int = 0  # the most that making one such tensor holds beyond it (the reader)
 
     @property
     def total_bytes(self) -> int:
         return sum(job.nbytes for job in self.jobs)
 
     def describe_job(self, job: Job) -> str:
+        def made(s: Source) -> str:
+            return f" = {self.made[s.model, s.tensor]}" if (s.model, s.tensor) in self.made else ""
+
         def src(s: Source) -> str:
             change = f" as {s.change.describe()}" if s.change is not None else ""
-            return f"{self.labels[s.model]}:{s.tensor}{change}"
+            return f"{self.labels[s.model]}:{s.tensor}{made(s)}{change}"
 
         if job.kind == "copy":
             how = f"copy {src(job.sources[0])}"
         elif job.kind == "merge":
             assert job.merge is not None
-            base = f" base={self.labels[job.base.model]}" if job.base else ""
-            models = ", ".join(self.labels[s.model] + (f" ({s.change.describe()})" if s.change
-                                                       else "") for s in job.sources)
+            base = f" base={self.labels[job.base.model]}{made(job.base)}" if job.base else ""
+            models = ", ".join(self.labels[s.model] + made(s) + (f" ({s.change.describe()})"
+                                                                 if s.change else "")
+                               for s in job.sources)
             how = f"{job.merge.describe()} of [{models}]{base}"
         elif job.kind == "router":
             how = f"router init={job.router_init}"

@@ -65,9 +65,10 @@ def window_bytes(plan: Plan, source_bytes: Callable[[Source], int], lookahead: i
 def estimate(plan: Plan, source_bytes: Callable[[Source], int], lookahead: int = 3) -> Estimate:
     """The peak over every `lookahead` consecutive jobs of their inputs and outputs (a pool of
     reused buffers holds no more, buffers.py), plus the output being written, the largest
-    working set of one merge and what the sources' changes hold between jobs
-    (Plan.resident_bytes: upcycling's float32 copy of a dense FFN tensor)."""
+    working set of one merge, what the sources' changes hold between jobs
+    (Plan.resident_bytes: upcycling's float32 copy of a dense FFN tensor) and what the read
+    thread holds while it makes one tensor (Plan.making_bytes: a LoRA's float32 delta)."""
     writing = max((job.nbytes for job in plan.jobs), default=0)
     return Estimate(window_bytes(plan, source_bytes, lookahead) + writing
-                    + max(map(working_set, plan.jobs), default=0) + plan.resident_bytes,
-                    plan.total_bytes)
+                    + max(map(working_set, plan.jobs), default=0) + plan.resident_bytes
+                    + plan.making_bytes, plan.total_bytes)

@@ -12,7 +12,7 @@ from moemerge.plan.jobs import Job, Plan, Source
 from moemerge.plan.params import resolve_merge, resolve_weights
 from moemerge.plan.sources import SourceModel
 from moemerge.recipe.models import MergeRecipe
-from moemerge.recipe.slices import Slice, SliceSource
+from moemerge.recipe.slices import Slice, SliceSource, source_key
 from moemerge.words import plural
 
 
@@ -50,14 +50,14 @@ def plan_slices(recipe: MergeRecipe, models: list[SourceModel]) -> Plan:
     assert recipe.slices
     has_base = recipe.base_model is not None
     base = 0 if has_base else None
-    index = {(r.model, r.revision): i + int(has_base) for i, r in enumerate(recipe.inputs)}
+    index = {source_key(r): i + int(has_base) for i, r in enumerate(recipe.inputs)}
     ref = models[int(has_base)]
     dtype = output_dtype(recipe.output.dtype, ref)
 
     def sources(s: Slice, name: str, offset: int | None) -> list[tuple[int, str, SliceSource]]:
         """The slice's sources of tensor `name` (a layer-0 name moved to each source's layer
         start + offset, or a global tensor's name as it is)."""
-        return [(index[src.model, src.revision],
+        return [(index[source_key(src)],
                  name if offset is None else renamed(name, 0, src.layers[0] + offset),
                  src) for src in s.sources]
 
@@ -72,8 +72,8 @@ def plan_slices(recipe: MergeRecipe, models: list[SourceModel]) -> Plan:
     layer_types: list = []
     for s in recipe.slices:
         for src in s.sources:
-            _check_depth(models[index[src.model, src.revision]], src)
-        first = models[index[s.sources[0].model, s.sources[0].revision]]
+            _check_depth(models[index[source_key(src)]], src)
+        first = models[index[source_key(s.sources[0])]]
         for offset in range(s.count):
             out_layer = len(layer_types)
             jobs += [_job(renamed(n, 0, out_layer), ref.roles[n].role, out_layer,

@@ -5,12 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from moemerge.architectures import DenseFamily, TensorRole, family_for_config
 from moemerge.errors import CheckpointError, MismatchError
 from moemerge.io import jsontext
+from moemerge.io.adapter import AdapterReader, LoraAdapter, base_name_note
 from moemerge.io.moe_expert import ExpertReader
 from moemerge.io.paths import confined
 from moemerge.io.reader import CheckpointReader
@@ -29,9 +30,10 @@ MUST_AGREE = (
 class SourceModel:
     label: str
     path: Path
-    reader: CheckpointReader | ExpertReader
+    reader: CheckpointReader | ExpertReader | AdapterReader
     family: DenseFamily
     roles: dict[str, TensorRole]  # every tensor of the checkpoint, classified
+    notes: list[str] = field(default_factory=list)  # for the build to say (the plan's notes)
 
     @property
     def config(self) -> dict:
@@ -66,6 +68,16 @@ def resolve_ref(ref: ModelRef, recipe_dir: Path | None, hub: bool = True) -> Pat
         return resolve_model(ref.model, ref.revision, near=(recipe_dir,))
     except CheckpointError as exc:
         raise CheckpointError(f"{exc} ({looked})") from None
+
+
+def resolve_adapter(ref: ModelRef, recipe_dir: Path | None) -> Path:
+    """The directory of a reference's LoRA adapter, found as a model is (next to the recipe
+    first, then in the working directory, then on the hub)."""
+    assert ref.lora is not None
+    try:
+        return resolve_ref(ModelRef(model=ref.lora, revision=ref.lora_revision), recipe_dir)
+    except CheckpointError as exc:
+        raise CheckpointError(f"LoRA adapter {ref.lora} (of {ref.model}): {exc}") from None
 
 
 def resolve_refs(refs: list[tuple[str, ModelRef]], recipe_dir: Path | None) -> list[Path]:
@@ -128,6 +140,13 @@ def open_sources(
                                                       per_expert=True))
         if ref.expert is not None:  # one expert of an MoE, as a dense model
             reader = ExpertReader(reader, ref.expert, label)
+        notes = []
+        if ref.lora is not None:  # W + s·B·A per targeted tensor, made when read
+            adapter = LoraAdapter(resolve_adapter(ref, recipe_dir), allow_pickle=allow_pickle)
+            reader = AdapterReader(reader, adapter, label)
+            local = looks_like_path(ref.model, (recipe_dir,) if recipe_dir else ())
+            other = base_name_note(adapter, ref.model, local, path, label)
+            notes = [*adapter.notes, *([other] if other else [])]
         check_config_values(reader.config, f"{label}: {path}")  # before any of it is used
         family = family_for_config(reader.config, f"{label} ({path}/config.json)")
         roles = {}
@@ -143,7 +162,7 @@ def open_sources(
         check_config_shapes(reader.config, roles,
                             {n: m.shape for n, m in reader.metas.items()}, f"{label}: {path}",
                             family.attention_shapes)
-        models.append(SourceModel(label, path, reader, family, roles))
+        models.append(SourceModel(label, path, reader, family, roles, notes))
     if compatible:
         check_compatible(models, vocabularies)
     return models

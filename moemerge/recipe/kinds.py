@@ -127,7 +127,8 @@ def labelled_refs(recipe) -> list[tuple[str, object]]:
         refs.append(("reference", recipe.reference))
     shared = getattr(recipe, "shared_model", None)  # a shared expert from a model: last
     for ref in [*getattr(recipe, kind_of(recipe).inputs), *([shared] if shared else [])]:
-        label = getattr(ref, "name", None) or Path(ref.model.rstrip("/")).name
+        # (a model with a LoRA adapter: named after the adapter)
+        label = getattr(ref, "name", None) or Path((ref.lora or ref.model).rstrip("/")).name
         taken = {lab for lab, _ in refs}
         refs.append((label if label not in taken else f"{label}#{len(refs)}", ref))
     return refs

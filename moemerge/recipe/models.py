@@ -77,6 +77,33 @@ class ModelRef(Strict):
         "An expert of a token-routed MoE, by index from 0: that expert as a dense model of the "
         "family the MoE is built from (its FFN with the MoE's attention, norms, embedding and "
         "head; what `moemerge extract` writes), read in place."))
+    lora: str | None = Field(default=None, min_length=1, description=(
+        "A PEFT LoRA adapter applied to the model (docs/lora.md): a directory (relative paths "
+        "are looked up next to the recipe first) or a hub id. Each targeted weight is read as "
+        "W + s·B·A, streamed per tensor; `model: base+adapter` (mergekit's spelling) is the "
+        "same."))
+    lora_revision: str | None = Field(default=None, description="A hub revision of a hub id "
+                                      "`lora`.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _adapter_spelling(cls, data: object) -> object:
+        """`model: base+adapter` is `{model: base, lora: adapter}`; with `lora` given (even
+        null) `model` is taken as written (a directory whose name holds a `+`)."""
+        if not (isinstance(data, dict) and isinstance(data.get("model"), str)
+                and "+" in data["model"] and "lora" not in data):
+            return data
+        base, _, adapter = data["model"].partition("+")
+        if not base or not adapter or "+" in adapter:
+            raise ValueError(f"model: {data['model']!r}: a model with a LoRA adapter is "
+                             "base+adapter (one '+'), or {model: base, lora: adapter}")
+        return {**data, "model": base, "lora": adapter}
+
+    @model_validator(mode="after")
+    def _lora_revision_needs_lora(self):
+        if self.lora_revision is not None and self.lora is None:
+            raise ValueError("lora_revision: given without a `lora` adapter")
+        return self
 
 
 class _MergeInput(ModelRef):

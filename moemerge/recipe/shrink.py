@@ -73,6 +73,10 @@ class ShrinkRecipe(_RecipeBase):
                              "share of them (`ratio: r`), not both")
         if self.merge_method != WEIGHTED and self.method != "merge":
             raise ValueError(f"merge_method: {self.merge_method} applies to method: merge only")
+        if self.model.lora is not None:
+            raise ValueError("model: shrink reads the MoE as it is stored and cannot apply a "
+                             "LoRA adapter to it; write the MoE with its adapter first (kind: "
+                             "merge with that one model), then shrink that")
         return self
 
     def kept(self, num_experts: int) -> int:

@@ -56,9 +56,16 @@ class Slice(Strict):
 
 def slice_models(slices: list[Slice]) -> list[ModelRef]:
     """The distinct checkpoints the slices read, in order of first use."""
-    seen: dict[tuple[str, str | None], ModelRef] = {}
+    seen: dict[tuple, ModelRef] = {}
     for s in slices:
         for src in s.sources:
-            seen.setdefault((src.model, src.revision),
-                            ModelRef(model=src.model, revision=src.revision))
+            seen.setdefault(source_key(src), ModelRef(model=src.model, revision=src.revision,
+                                                      lora=src.lora,
+                                                      lora_revision=src.lora_revision))
     return list(seen.values())
+
+
+def source_key(ref: ModelRef) -> tuple:
+    """What tells two slice sources' checkpoints apart: the model, its revision and its LoRA
+    adapter."""
+    return ref.model, ref.revision, ref.lora, ref.lora_revision

@@ -376,7 +376,7 @@ base_model: base/model
      "slices.1.sources.0.parameters.density: filter 'layers.2.' holds a digit"),
     (LINEAR.replace("merge_method: linear", "merge_method: frankenmerge"),
      "'frankenmerge' cannot be imported: not a merge method of mergekit 0.1.5"),
-    (LINEAR.replace("psmathur/orca_mini_v3_13b", "a/b+lora/x"), "LoRA"),
+    (LINEAR.replace("psmathur/orca_mini_v3_13b", "a/b+lora/x+y"), "one '+'"),
     (LINEAR + "tokenizer_source: union\ntokenizer: {source: base}\n", "not both"),
     (LINEAR + "tokenizer: {source: base, extra: 1}\n", "tokenizer.extra: not a key"),
     (LINEAR + "modules: {text: {}}\n", "modules: per-module configs"),

@@ -69,20 +69,44 @@ def conventions(method: str, given: dict) -> dict:
 
 
 def model_ref(value) -> dict:
-    """A mergekit model reference ("path", "path@revision"; "path+lora" is refused)."""
-    if isinstance(value, dict):  # {model: ..., lora: ...} or {path: ...}
-        if value.get("lora"):
-            raise RecipeError("models: LoRA adapters (model+lora) cannot be imported; merge the "
-                              "adapter into its model first (peft merge_and_unload)")
-        value = value.get("model") or value.get("path")
+    """A mergekit model reference: "path", "path@revision", "path+lora" (a LoRA adapter
+    applied to the model, each side with its own @revision), or its dict form ({model, lora},
+    each a path or {path, revision})."""
+    if isinstance(value, dict):
+        lora = value.get("lora")
+        out = _path(value.get("model") or value.get("path"), "model")
+        if lora:
+            adapter = _path(lora, "lora")
+            out["lora"] = adapter["model"]
+            if "revision" in adapter:
+                out["lora_revision"] = adapter["revision"]
+        return out
     text = str(value)
-    if "+" in text:
-        raise RecipeError(f"models: {text!r} applies a LoRA adapter (model+lora); moemerge "
-                          "cannot; merge the adapter into its model first")
-    if text.count("@") == 1:
-        path, revision = text.split("@")
-        return {"model": path, "revision": revision}
-    return {"model": text}
+    chunks = text.split("+")
+    if len(chunks) > 2:
+        raise RecipeError(f"models: {text!r}: mergekit reads one '+' (model+lora)")
+    out = _path(chunks[0], "model")
+    if len(chunks) == 2:
+        adapter = _path(chunks[1], "lora")
+        out["lora"] = adapter["model"]
+        if "revision" in adapter:
+            out["lora_revision"] = adapter["revision"]
+    return out
+
+
+def _path(value, what: str) -> dict:
+    """mergekit's ModelPath: "path", "path@revision" or {path, revision}, as {model, revision}."""
+    if isinstance(value, dict):
+        path, revision = value.get("path"), value.get("revision")
+    else:
+        path, revision = str(value), None
+        if path.count("@") > 1:
+            raise RecipeError(f"models: {path!r}: mergekit reads one '@' (path@revision)")
+        if path.count("@") == 1:
+            path, revision = path.split("@")
+    if not path:
+        raise RecipeError(f"models: a reference without its {what} path")
+    return {"model": path, **({"revision": revision} if revision else {})}
 
 
 def conditions(value, where: str) -> list[dict]:
