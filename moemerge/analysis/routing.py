@@ -147,8 +147,11 @@ def routing_report(
                 if kwargs.get(CACHE) is None:  # after a prompt: its routing, kept
                     counts[row] += (output.routing_weights > 0).sum(0).cpu()
                 return
-            logits = output[0] if isinstance(output, tuple) else output  # [..., experts]
-            chosen = logits.reshape(-1, num_experts).topk(k, dim=-1).indices  # [tokens, k]
+            # the logits from the router's input and weight, whatever the module returns
+            # (logits; transformers 5: a tuple; DeepSeek-V2 in transformers 4: its top-k)
+            x = args[0] if args else next(iter(kwargs.values()))
+            logits = x.reshape(-1, x.shape[-1]) @ module.weight.T  # [tokens, experts]
+            chosen = logits.topk(k, dim=-1).indices  # [tokens, k]
             counts[row] += torch.bincount(chosen.flatten().cpu(), minlength=num_experts)
         return record
 

@@ -16,6 +16,7 @@ import random
 
 import pytest
 import torch
+import transformers
 from conftest import TEXT, perturbed_copy
 from moe_families import FAMILIES, hub_moes, logits
 from safetensors.torch import load_file
@@ -30,6 +31,8 @@ from moemerge.routing.modules import find_routers
 runner = CliRunner()
 TRAIN = ["--steps", 2, "--seq-len", 32, "--batch-size", 2, "--lr", 1e-2, "-q"]
 MODES = {"router-only": "--router-only", "full": "--full"}
+TRANSFORMERS_4 = int(transformers.__version__.split(".")[0]) < 5
+needs_5 = pytest.mark.skipif(TRANSFORMERS_4, reason="output.experts: fused needs transformers 5")
 # families whose expert is a dense model of a transformers class (`extract` writes one)
 EXTENDED = ["mixtral", "granitemoe", "qwen3_moe", "flex_olmo"]
 
@@ -81,6 +84,9 @@ def text(tmp_path_factory):
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_finetune_writes_the_source_form_back(family, mode, hub_moe, text, tmp_path):
+    if TRANSFORMERS_4 and family.startswith("granitemoe") and mode == "router-only":
+        pytest.skip("transformers 4's GraniteMoE router has no `experts` beside it: finetune "
+                    "finds no router to train there (train/params.py)")
     for form in FORMS:
         source, out = hub_moe(family, form), tmp_path / form
         code, output = run("finetune", source, out, "--data", text, MODES[mode], *TRAIN)
@@ -235,6 +241,7 @@ def test_extend_refusals_name_what_to_do(hub_moe, grown, texts, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@needs_5
 def test_extend_of_a_fused_build_is_written_fused(model_factory, texts, tmp_path):
     """A calibrated build stored fused (`output.experts: fused`) grows in its own form: the
     classic build's extension, read under classic names (its deeper router within float
