@@ -38,7 +38,7 @@ from moemerge.loading import (
     load_pretrained,
     read_recipe_copy,
 )
-from moemerge.modeling import is_merged_experts, is_sequence_routed
+from moemerge.modeling import is_lora_experts, is_merged_experts, is_own_kind, is_sequence_routed
 from moemerge.routing.modules import find_routers
 
 SCHEMA = "moemerge.routing/1"  # bump when a key changes meaning or disappears (docs/inspect.md)
@@ -99,6 +99,8 @@ def moe_shape(config, where: str) -> tuple[int, int]:
         return len(config.experts), int(config.num_experts_per_seq)
     if is_merged_experts(config):
         return int(config.num_experts), int(config.num_experts)
+    if is_lora_experts(config):
+        return int(config.num_experts), int(config.experts_per_token)
     keys = expert_count_keys()
     experts = next((getattr(config, key) for key in keys if getattr(config, key, None)), None)
     k = getattr(config, "num_experts_per_tok", None)
@@ -131,7 +133,7 @@ def routing_report(
     num_experts, k = moe_shape(model.config, name or type(model).__name__)
     level = routing_level(model.config)
     routers = {"sequence": lambda: [(0, model)], "weight": lambda: list(enumerate(model.mlps())),
-               "token": lambda: find_routers(model, num_experts)}[level]()
+               "token": lambda: token_routers(model, num_experts)}[level]()
     if not routers:
         raise CheckpointError(f"{name or type(model).__name__}: not an MoE (no router modules "
                               f"with {num_experts} outputs found)")
@@ -187,6 +189,17 @@ def routing_report(
     return report
 
 
+def token_routers(model: torch.nn.Module, num_experts: int) -> list[tuple[int, torch.nn.Module]]:
+    """[(layer, router)] of a token-routed MoE; an MoE of LoRA experts lists its own (its FFN
+    routers where the adapters target the FFN, else its attention routers)."""
+    own = getattr(model, "router_modules", None)
+    if not callable(own):
+        return find_routers(model, num_experts)
+    routers = [(int(name.split(".")[2]), m) for name, m in own().items()]
+    ffn = [(layer, m) for (layer, m), name in zip(routers, own(), strict=True) if ".mlp." in name]
+    return ffn or routers
+
+
 def _record_scores(mlp, total: torch.Tensor):
     """Add each forward's routing scores [B, T, N], summed over tokens, to `total` [N]; returns
     the function that undoes it. (The scores are computed inside the merged MLP's forward, so
@@ -210,8 +223,7 @@ def expert_labels(model_dir: Path, num_experts: int) -> list[str]:
         config = read_config(model_dir)
     except CheckpointError:
         config = {}  # labels are a nicety: numbered experts will do
-    named = is_sequence_routed(config) or is_merged_experts(config)
-    if named and len(config.get("expert_names") or []) == num_experts:
+    if is_own_kind(config) and len(config.get("expert_names") or []) == num_experts:
         return list(config["expert_names"])
     recipe = read_recipe_copy(model_dir)
     try:

@@ -125,3 +125,26 @@ def merged_config(base: dict, names: list[str], *, dtype: torch.dtype, **setting
     config.update(settings, torch_dtype=dtype_name(dtype), tie_word_embeddings=False,
                   use_cache=True)
     return config
+
+
+LORA_AUTO_MAP = {
+    "AutoConfig": "configuration_moemerge.MoemergeLoraConfig",
+    "AutoModelForCausalLM": "modeling_lora_moemerge.MoemergeLoraForCausalLM",
+}
+
+
+def lora_config(base: dict, names: list[str], *, dtype: torch.dtype, experts_per_token: int,
+                lora_ranks: dict[str, int]) -> dict:
+    """config.json of an MoE of LoRA experts (configuration_moemerge.MoemergeLoraConfig): the
+    base's dense config kept whole (its tied embeddings too), the experts and the targeted
+    modules with their ranks."""
+    config = {"architectures": ["MoemergeLoraForCausalLM"], "model_type": "moemerge_lora",
+              "auto_map": dict(LORA_AUTO_MAP), "base": dense_config(base, dtype),
+              "num_experts": len(names), "expert_names": names,
+              "experts_per_token": experts_per_token, "lora_ranks": lora_ranks}
+    config.update({k: base[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                        *TOKEN_KEYS) if k in base})
+    config.update(torch_dtype=dtype_name(dtype),
+                  tie_word_embeddings=bool(base.get("tie_word_embeddings", False)),
+                  use_cache=True)
+    return config

@@ -17,8 +17,8 @@ from moemerge.errors import RecipeError
 @reports_errors
 def extract(
     model: Annotated[Path, typer.Argument(help="An MoE built by `moemerge build` (token_routed, "
-                                          "seq_routed or merged_experts); with --lora, also a "
-                                          "dense model.", show_default=False)],
+                                          "seq_routed, merged_experts or lora_experts); with "
+                                          "--lora, also a dense model.", show_default=False)],
     output: Annotated[Path, typer.Argument(help="Where the dense model (with --lora: the "
                                            "adapter) goes.", show_default=False)],
     expert: Annotated[str | None, typer.Option(
@@ -30,13 +30,14 @@ def extract(
         "w1,w2,... (one per expert, normalised to sum 1); every FFN is merged at them, "
         "W = E_m + α Σ s_i Δ_i.", show_default=False)] = None,
     lora: Annotated[str | None, typer.Option(
-        "--lora", metavar="RANK|auto", help="Extract a PEFT LoRA adapter instead (needs "
-        "--base): each attention / FFN linear that differs from the base's as the truncated SVD "
-        "of its task vector at this rank (at most the matrix's smaller side), or `auto`: per "
-        "module, "
-        "the smallest rank keeping --lora-share of the task vector's energy. Other modules "
-        "that differ (embedding, head, norms, a changed bias) are kept whole in "
-        "modules_to_save; equal ones are left out.", show_default=False)] = None,
+        "--lora", metavar="RANK|auto|stored", help="Extract a PEFT LoRA adapter instead "
+        "(needs --base): each attention / FFN linear that differs from the base's as the "
+        "truncated SVD of its task vector at this rank (at most the matrix's smaller side), or "
+        "`auto`: per module, the smallest rank keeping --lora-share of the task vector's "
+        "energy. Other modules that differ (embedding, head, norms, a changed bias) are kept "
+        "whole in modules_to_save; equal ones are left out. `stored`: an MoE of LoRA experts' "
+        "expert as the adapter it stores, exactly (no SVD; --base optional, it only names the "
+        "base in adapter_config.json).", show_default=False)] = None,
     lora_share: Annotated[float | None, typer.Option(
         "--lora-share", help="With --lora auto: the share of each module's task-vector "
         "energy (squared Frobenius norm: Σ s_i² of the kept singular values over that of all) "
@@ -57,8 +58,9 @@ def extract(
     in every layer (what the MoE computes when every token goes to that expert alone).
     seq_routed: that expert's whole decoder stack, with the embedding and head it was routed
     with (its own, or the shared ones). merged_experts: every FFN merged at the scores of that
-    expert alone (one-hot) or at --weights. The tokenizer files are copied and a README.md
-    says where the model came from.
+    expert alone (one-hot) or at --weights. lora_experts: the base with that expert's adapter
+    merged (or, with --lora stored, the adapter itself). The tokenizer files are copied and a
+    README.md says where the model came from.
 
     With --lora RANK --base BASE: MODEL (a dense model, or the expert --expert names) as a
     PEFT LoRA adapter on BASE, mergekit-extract-lora's job: adapter_config.json,
@@ -67,10 +69,19 @@ def extract(
     from moemerge.io.atomic import sweep_output
     from moemerge.io.outputs import check_output, local_inputs
 
-    rank = lora_rank(lora, lora_share, base, device)
+    stored = lora is not None and lora.strip().lower() == "stored"
+    rank = lora_rank(lora, lora_share, base, device) if not stored else None
     sweep_output(output)  # what a killed extract left, even if this one fails
     inputs = [("the input model", model), *local_inputs("the base model", [base] if base else [])]
     check_output(output, inputs, force=force, directory=True)
+    if stored:  # an MoE of LoRA experts' own adapter, as it stores it
+        from moemerge.finish.extract import extract_stored_adapter
+
+        done = extract_stored_adapter(model, output, expert=expert, base=base, force=force)
+        out.print(f"[green]extracted[/] {escape(done.label)}'s LoRA adapter to "
+                  f"{escape(str(output))}: {done.tensors} factors, "
+                  f"{done.bytes / 2**20:.1f} MiB", highlight=False)
+        return
     if lora is not None:
         _extract_lora(model, output, base, rank, lora_share, expert, weights, device, force)
         return

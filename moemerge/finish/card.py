@@ -60,6 +60,21 @@ def merged_experts_card(recipe: MergedExpertsRecipe, plan: Plan):
     return bases, what, details
 
 
+def lora_experts_card(recipe, plan: Plan):
+    ranks = sorted(set(plan.config["lora_ranks"].values()))
+    mixed = ("a dense mixture of every adapter" if recipe.top_k == recipe.num_experts
+             else f"the top {recipe.top_k} per token")
+    what = (f"an MoE of {plural(recipe.num_experts, 'LoRA expert')} on one copy of "
+            f"`{recipe.base_model.model}`: each targeted linear module adds its adapters' "
+            f"low-rank deltas, {mixed} by the router of its block "
+            f"({plural(len(plan.config['lora_ranks']), 'module')}, stored rank "
+            f"{'/'.join(map(str, ranks)) or '-'})")
+    details = ["| expert | name | adapter |", "|---|---|---|",
+               *(f"| {i} | {label} | `{e.lora}` |" for i, (label, e) in
+                 enumerate(zip(plan.labels[1:], recipe.experts, strict=True)))]
+    return [recipe.base_model.model], what, details
+
+
 def upcycle_card(recipe: UpcycleRecipe, plan: Plan):
     what = (f"a token-routed Mixture-of-Experts ({plan.config['architectures'][0]}) upcycled "
             f"from the dense `{recipe.model.model}`: {plural(recipe.experts, 'copy', 'copies')} "

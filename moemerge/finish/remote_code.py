@@ -14,6 +14,7 @@ from pathlib import Path
 
 MODELING_FILES = ("configuration_moemerge.py", "pretrained_moemerge.py", "routing_moemerge.py",
                   "modeling_moemerge.py", "curvature_moemerge.py", "modeling_merged_moemerge.py",
+                  "modeling_lora_moemerge.py",
                   "configuration_deepseek.py", "modeling_deepseek.py")
 
 

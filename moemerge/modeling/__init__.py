@@ -1,5 +1,5 @@
 """Modeling code of the MoE kinds and layouts transformers has no class for (seq_routed,
-bridged, merged_experts; the DeepSeek-MoE layout).
+bridged, merged_experts, lora_experts; the DeepSeek-MoE layout).
 
 The other files here are shipped next to the weights and loaded by transformers with
 trust_remote_code; they import nothing from moemerge. moemerge's own commands call `register()`
@@ -12,6 +12,7 @@ from functools import cache
 
 MODEL_TYPE = "moemerge"
 MERGED_MODEL_TYPE = "moemerge_merged"
+LORA_MODEL_TYPE = "moemerge_lora"
 DEEPSEEK_MODEL_TYPE = "deepseek"
 
 
@@ -21,14 +22,21 @@ def register() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from moemerge.modeling.configuration_deepseek import DeepseekConfig
-    from moemerge.modeling.configuration_moemerge import MoemergeConfig, MoemergeMergedConfig
+    from moemerge.modeling.configuration_moemerge import (
+        MoemergeConfig,
+        MoemergeLoraConfig,
+        MoemergeMergedConfig,
+    )
     from moemerge.modeling.modeling_deepseek import DeepseekForCausalLM
+    from moemerge.modeling.modeling_lora_moemerge import MoemergeLoraForCausalLM
     from moemerge.modeling.modeling_merged_moemerge import MoemergeMergedForCausalLM
     from moemerge.modeling.modeling_moemerge import MoemergeForCausalLM
 
     for model_type, config, model in ((MODEL_TYPE, MoemergeConfig, MoemergeForCausalLM),
                                       (MERGED_MODEL_TYPE, MoemergeMergedConfig,
                                        MoemergeMergedForCausalLM),
+                                      (LORA_MODEL_TYPE, MoemergeLoraConfig,
+                                       MoemergeLoraForCausalLM),
                                       (DEEPSEEK_MODEL_TYPE, DeepseekConfig, DeepseekForCausalLM)):
         AutoConfig.register(model_type, config, exist_ok=True)
         AutoModelForCausalLM.register(config, model, exist_ok=True)
@@ -49,3 +57,13 @@ def is_sequence_routed(config) -> bool:
 def is_merged_experts(config) -> bool:
     """True for a config of moemerge's merged_experts kind (a dict or a config object)."""
     return _model_type(config) == MERGED_MODEL_TYPE
+
+
+def is_lora_experts(config) -> bool:
+    """True for a config of moemerge's lora_experts kind (a dict or a config object)."""
+    return _model_type(config) == LORA_MODEL_TYPE
+
+
+def is_own_kind(config) -> bool:
+    """A model of moemerge's own kinds: loaded with the installed code, never a model dir's."""
+    return _model_type(config) in (MODEL_TYPE, MERGED_MODEL_TYPE, LORA_MODEL_TYPE)

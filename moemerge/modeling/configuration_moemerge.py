@@ -197,3 +197,49 @@ class MoemergeMergedConfig(PretrainedConfig):
             problems.append(f"dare_p: {self.dare_p} is not in [0, 1)")
         if problems:
             raise ValueError("; ".join(problems))
+
+
+class MoemergeLoraConfig(PretrainedConfig):
+    r"""An MoE of LoRA experts (X-LoRA / MoLE): a dense model (`base`, its config.json dict)
+    whose every targeted linear module adds its experts' low-rank deltas, mixed per token by
+    the router of the block holding it.
+
+    Args:
+        base: the dense config of the backbone.
+        num_experts, expert_names: the experts (one LoRA adapter each).
+        experts_per_token: k, the experts each token mixes (the top k of the softmax,
+            renormalised); num_experts: a dense mixture of every expert.
+        lora_ranks: {module name (model.layers.0.mlp.gate_proj): R}, the targeted modules and
+            the rank their factors are stored at (the largest of the experts').
+    """
+
+    model_type = "moemerge_lora"
+
+    def __init__(self, base: dict | None = None, num_experts: int = 0,
+                 expert_names: list[str] | None = None, experts_per_token: int = 1,
+                 lora_ranks: dict[str, int] | None = None, use_cache: bool = True, **kwargs):
+        self.base = base
+        self.num_experts = num_experts
+        self.expert_names = list(expert_names or [f"expert_{i}" for i in range(num_experts)])
+        self.experts_per_token = experts_per_token
+        self.lora_ranks = dict(lora_ranks or {})
+        self.use_cache = use_cache
+        if base:
+            for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
+                kwargs.setdefault(key, base.get(key))
+            kwargs.setdefault("tie_word_embeddings", base.get("tie_word_embeddings", False))
+        super().__init__(**kwargs)
+        if base:
+            self.check()
+
+    def check(self) -> None:
+        problems = []
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            problems.append(f"experts_per_token: {self.experts_per_token} is not between 1 and "
+                            f"num_experts ({self.num_experts})")
+        bad = {name: rank for name, rank in self.lora_ranks.items()
+               if not name.startswith("model.") or not isinstance(rank, int) or rank < 1}
+        if bad:
+            problems.append(f"lora_ranks: {bad} are not model.* module names with ranks >= 1")
+        if problems:
+            raise ValueError("; ".join(problems))

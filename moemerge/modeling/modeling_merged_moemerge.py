@@ -29,18 +29,17 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModel, GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_moemerge import MoemergeMergedConfig
 from .curvature_moemerge import KroneckerCurvature, dare_expert_mask, ties_mask
 from .pretrained_moemerge import (
     CACHE,
     MoemergeModel,
+    causal_lm_output,
     checkpointing,
     dense_config,
     ffn_activation,
     given_cache,
-    softcap_logits,
 )
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -289,15 +288,8 @@ class MoemergeMergedForCausalLM(MoemergeModel, PreTrainedModel, GenerationMixin)
             # weights and mask stay: with gradient checkpointing the backward pass runs the
             # layers again; the cache does not (it would outlive generation)
             step.cache = None
-        hidden = out.last_hidden_state
-        keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
-        logits = softcap_logits(self.lm_head(hidden[:, keep]), self.dense_config)
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(),
-                                   ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits,
-                                      **{CACHE: getattr(out, CACHE) if use_cache else None})
+        return causal_lm_output(self.lm_head, self.dense_config, out, labels, logits_to_keep,
+                                use_cache)
 
     @torch.no_grad()
     def baked_experts(self) -> dict[str, torch.Tensor]:

@@ -78,6 +78,22 @@ def softcap_logits(logits: torch.Tensor, dense) -> torch.Tensor:
     return torch.tanh(logits / cap) * cap
 
 
+def causal_lm_output(lm_head: nn.Module, dense, out, labels, logits_to_keep: int,
+                     use_cache: bool) -> CausalLMOutputWithPast:
+    """From a dense backbone's output: the head's logits of the last `logits_to_keep` positions
+    (all when 0; softcapped as the family does), the next-token loss against `labels`, the
+    cache."""
+    hidden = out.last_hidden_state
+    keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
+    logits = softcap_logits(lm_head(hidden[:, keep]), dense)
+    loss = None
+    if labels is not None:
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    return CausalLMOutputWithPast(loss=loss, logits=logits,
+                                  **{CACHE: getattr(out, CACHE) if use_cache else None})
+
+
 def ffn_activation(mlp: nn.Module):
     """The activation a dense family's own MLP module applies to its gate projection (act_fn;
     Phi-3: activation_fn), so a replaced MLP computes the family's FFN (GeLU-tanh in Gemma)."""

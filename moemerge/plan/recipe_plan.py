@@ -39,10 +39,10 @@ def make_plan(recipe: AnyRecipe, models: list[SourceModel]) -> Plan:
 
 
 def check_adapters_read(recipe: AnyRecipe, kind: Kind, models: list[SourceModel]) -> None:
-    """A model with a LoRA adapter is applied where its tensors are read; the router inits
-    that load a model in transformers from its directory would leave the adapter out: the
-    prompt inits of token routers run the base, loss targets and a merge's router
-    calibration run each input. Refused, with what works instead."""
+    """A model with a LoRA adapter is applied where its tensors are read; the prompt inits of
+    token routers run the base from its directory, which would leave its adapter out. Refused,
+    with what works instead. (Calibration runs each input with its adapter written in:
+    routing/calibration.source_as_stored.)"""
     adapted = [m.label for m in models if isinstance(m.reader, AdapterReader)]
     init = getattr(getattr(recipe, "router", None), "init", None)
     if not adapted or init is None:
@@ -53,19 +53,6 @@ def check_adapters_read(recipe: AnyRecipe, kind: Kind, models: list[SourceModel]
                           "without its LoRA adapter; write the base with its adapter first "
                           "(kind: merge of it alone), or use router.init: calibrate (with "
                           "named texts) or task_vector")
-    if init != "calibrate" or getattr(recipe, "calibration", None) is None:
-        return
-    calibration = recipe.calibration
-    targets = getattr(calibration, "targets", None)
-    one_text = len(calibration.data) == 1 and "=" not in calibration.data[0]
-    runs_inputs = (kind.calibration_set == "routing.moe_merge:teacher_routing"
-                   or targets == "loss" or (targets == "auto" and one_text))
-    if runs_inputs:
-        raise RecipeError(
-            f"calibration: the routers are fitted to what each input computes, run from its "
-            f"directory without its LoRA adapter ({', '.join(adapted)}); name each text "
-            "after its expert (name=path) and set targets: domain, or write each model with its "
-            "adapter first (kind: merge of it alone)")
 
 
 def _made_by_readers(plan: Plan, models: list[SourceModel]) -> None:
@@ -74,6 +61,8 @@ def _made_by_readers(plan: Plan, models: list[SourceModel]) -> None:
     models' notes join the plan's."""
     for job in plan.jobs:
         for source in job.inputs:
+            if not getattr(source.change, "reads_stored", True):
+                continue  # (a LoRA factor: plan/lora_experts.py)
             reader = models[source.model].reader
             describe = getattr(reader, "describe", None)
             what = describe(source.tensor) if describe is not None else None

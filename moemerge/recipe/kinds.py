@@ -1,7 +1,8 @@
 """The table of recipe kinds: what `build` does for each, looked up instead of tested for.
 
 A kind is a recipe's `kind:` with, for `kind: moe`, its `assembly:` (the MoE layout): `merge`,
-`token_routed`, `seq_routed`, `bridged`, `merged_experts`, `upcycle` and `shrink`. Each entry
+`token_routed`, `seq_routed`, `bridged`, `merged_experts`, `lora_experts`, `upcycle` and
+`shrink`. Each entry
 names the recipe class, which recipe field lists the inputs, which input gives the tokenizer,
 and the functions of the later stages as "module:attribute" targets under `moemerge` (this
 module sits in the recipe layer, below them, as the merge registry does): the planner, the
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Union
 
 from moemerge.merge.registry import load_target
+from moemerge.recipe.lora_experts import LoraExpertsRecipe
 from moemerge.recipe.merged import MergedExpertsRecipe
 from moemerge.recipe.models import MergeRecipe, MoERecipe
 from moemerge.recipe.sequence import BridgedRecipe, SeqRoutedRecipe
@@ -92,6 +94,12 @@ KINDS = (
          "experts", "plan.merged:plan_merged_experts", "finish.card:merged_experts_card",
          calibrator="routing.calibrate:calibrate_merged_routers", remote_code=True,
          commands=("finetune", "extend", "extract", "bake", "inspect routing")),
+    Kind("lora_experts", "moe:lora_experts", LoraExpertsRecipe,
+         "an MoE whose experts stay LoRA adapters of one base, mixed per token", "experts",
+         "plan.lora_experts:plan_lora_experts", "finish.card:lora_experts_card",
+         router="routing.routers:LoraRouters",
+         calibrator="routing.calibrate:calibrate_lora_routers", remote_code=True,
+         commands=("finetune", "extract", "inspect routing")),
     Kind("upcycle", "upcycle", UpcycleRecipe,
          "a token-routed MoE whose experts are copies of one dense model's FFN", "inputs",
          "plan.upcycle:plan_upcycle", "finish.card:upcycle_card",

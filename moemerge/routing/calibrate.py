@@ -133,6 +133,22 @@ def calibrate_merged_routers(model, cal: Calibration, stats: dict | None = None
     return routers
 
 
+def calibrate_lora_routers(model, cal: Calibration, stats: dict | None = None
+                           ) -> dict[str, torch.Tensor]:
+    """{router tensor name: [E, H]} of an MoE of LoRA experts: each block's router fitted on
+    the block's input, in layer order (the attention's router before the MLP's, whose input
+    it changes), every layer's targets the same. (`stats`: none kept; no `extend`.)"""
+    num_experts = cal.targets.shape[-1]
+    targets = cal.targets.reshape(-1, num_experts)
+    names = {router: name for name, router in model.router_modules().items()}
+    taps = [(int(name.split(".")[2]), router, router) for router, name in names.items()]
+    routers = {}
+    for _, router, x, window in layer_rows(model, cal.ids, taps):
+        routers[f"{names[router]}.weight"] = _solve(x, targets, window, cal.confidence)
+        router.weight.data.copy_(routers[f"{names[router]}.weight"])
+    return routers
+
+
 @torch.no_grad()
 def calibrate_sequence_router(model, cal: Calibration) -> torch.Tensor:
     """The learned router [N, d_m] of a seq_routed / bridged MoE, on its router input (the

@@ -19,6 +19,7 @@ import torch
 
 from moemerge.data import read_domains
 from moemerge.errors import RecipeError
+from moemerge.io.adapter import AdapterReader
 from moemerge.loading import load_pretrained
 from moemerge.plan.jobs import Plan
 from moemerge.plan.sources import SourceModel
@@ -77,7 +78,7 @@ def calibration_set(spec: CalibrationSpec, texts: dict[str, list[str]], tokenize
                 "or give one mixed text (targets: loss)")
         return Calibration(ids, domain_targets(domain, [labels.index(d) for d in domains],
                                                len(labels), spec.seq_len), spec.confidence)
-    nll = torch.stack([token_nll(model_as_stored(m.path), ids) for m in experts])  # [E, W, S]
+    nll = torch.stack([token_nll(source_as_stored(m), ids) for m in experts])  # [E, W, S]
     return Calibration(ids, loss_targets(nll), spec.confidence)
 
 
@@ -97,11 +98,26 @@ def model_as_stored(path: Path):
     return load_pretrained("AutoModelForCausalLM", path, dtype="auto").eval()
 
 
+@torch.no_grad()
+def source_as_stored(model: SourceModel):
+    """An input model as the build reads it: its directory's model, with what a LoRA adapter
+    on it changes (`model: base+adapter`: each targeted weight W + s·B·A, io/adapter.py)
+    written into its parameters."""
+    loaded = model_as_stored(model.path)
+    if isinstance(model.reader, AdapterReader):
+        params = dict(loaded.named_parameters())
+        for name in model.reader.names():
+            if model.reader.describe(name) is not None:
+                params[name].copy_(model.reader.read(name))
+    return loaded
+
+
 def calibrated_routers(recipe, plan: Plan, built: Path, cal: Calibration,
                        stats: dict | None = None) -> dict[str, torch.Tensor]:
     """{classic tensor name: router} fitted on the model built at `built` (its routers are
     placeholders) by the kind's calibrator; `stats` receives what it keeps of each fit."""
     model = model_as_stored(built)
-    by_layer = kind_of(recipe).load("calibrator")(model, cal, stats)
-    return {job.name: by_layer[job.layer] for job in plan.jobs
-            if job.role == "router" and job.layer in by_layer}
+    fitted = kind_of(recipe).load("calibrator")(model, cal, stats)  # by layer, or by name
+    return {job.name: fitted[job.name if job.name in fitted else job.layer]
+            for job in plan.jobs
+            if job.role == "router" and (job.name in fitted or job.layer in fitted)}

@@ -21,7 +21,7 @@ import torch
 from moemerge.errors import RecipeError
 from moemerge.plan.sources import SourceModel
 from moemerge.routing.calibrate import fit_token_routers, token_rows
-from moemerge.routing.calibration import calibration_windows, model_as_stored
+from moemerge.routing.calibration import calibration_windows, source_as_stored
 from moemerge.routing.modules import find_routers, layout_of
 from moemerge.routing.ridge import fit_router, held_out_windows
 
@@ -60,7 +60,7 @@ def teacher_routing(spec, texts: dict[str, list[str]], tokenizer,
     names = {Path(m.label).name: i for i, m in enumerate(models)}  # its directory's name,
     names |= {m.label: i for i, m in enumerate(models)}  # or the recipe's reference
     teacher = {d: names[name] for d, name in enumerate(domains) if name in names}
-    per_model = [routing_of(model_as_stored(m.path), ids) for m in models]
+    per_model = [routing_of(source_as_stored(m), ids) for m in models]
     seq = ids.shape[1] - 1
     owner = torch.tensor([teacher.get(int(d), -1) for d in domain]).repeat_interleave(seq)
     log_targets = {}

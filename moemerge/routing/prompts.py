@@ -54,20 +54,22 @@ def _load_base(base_dir: Path, dtype: torch.dtype, init: str):
 
 
 def _per_layer_means(model, ids_list: list[torch.Tensor], ffn_module: str) -> torch.Tensor:
-    """Mean router input (the FFN module's input) over every token of the prompts: [L, H]."""
+    """Mean router input (the input of each layer's `ffn_module`: its FFN, or the block a LoRA
+    expert's router sits in) over every token of the prompts: [L, H]."""
     layers = model.model.layers
     sums = [None] * len(layers)
     count = 0
 
     def hook(index):
-        def record(_module, inputs):
-            total = inputs[0][0].sum(dim=0)  # inputs[0]: [1, T, H] -> [H]
+        def record(_module, args, kwargs):
+            h = args[0] if args else kwargs["hidden_states"]  # attention: a keyword
+            total = h[0].sum(dim=0)  # [1, T, H] -> [H]
             sums[index] = total if sums[index] is None else sums[index] + total
 
         return record
 
     handles = [
-        layer.get_submodule(ffn_module).register_forward_pre_hook(hook(i))
+        layer.get_submodule(ffn_module).register_forward_pre_hook(hook(i), with_kwargs=True)
         for i, layer in enumerate(layers)
     ]
     try:

@@ -74,6 +74,30 @@ class TokenRouters:
         return self._rows[job.layer]
 
 
+class LoraRouters:
+    """Routers of an MoE of LoRA experts [E, H], one per routed block: random, uniform, a
+    placeholder for calibrate, or from the experts' prompts (the mean input of the block the
+    router sits in: the MLP's or the attention's, through the base)."""
+
+    def __init__(self, recipe, models: list[SourceModel]):
+        self.recipe, self.base = recipe, models[0]
+        self.std = recipe.router.std or self.base.config.get("initializer_range", 0.02)
+        self._rows: dict[str, torch.Tensor] = {}  # block -> [L, E, H] (prompts)
+
+    def make(self, job: Job, load: Load) -> torch.Tensor:
+        init = self.recipe.router.init
+        if init in ("random", "calibrate"):  # calibrate: a placeholder, overwritten once fitted
+            return random_router(job.shape, self.std, self.recipe.seed, job.name)
+        if init == "uniform":
+            return uniform_router(job.shape, self.recipe.seed, job.name)
+        block = job.name.split(".")[3]  # model.layers.{l}.{block}.router.weight
+        if block not in self._rows:
+            self._rows[block] = prompt_router_rows(
+                self.base.path, self.recipe.experts, include_base=False,
+                max_tokens=self.recipe.router.max_prompt_tokens, ffn_module=block)
+        return self._rows[block][job.layer]
+
+
 class UpcycleRouters:
     """Routers of `kind: upcycle` [N·r, H], r the routed slices of a copy: random, or
     virtual_group (one random row per copy, repeated for its r slices, so a copy's slices start

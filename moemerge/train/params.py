@@ -45,6 +45,9 @@ def moe_blocks(model: torch.nn.Module, router: str = "gate") -> dict[str, torch.
 
 def router_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """{name: router module} in layer order; the routers' weights are [experts, hidden]."""
+    own = getattr(model, "router_modules", None)  # a shipped class that lists its own
+    if callable(own):
+        return own()
     if is_sequence_routed(model.config):
         return {"router": model.router}
     if is_merged_experts(model.config):  # one per FFN
@@ -125,11 +128,11 @@ def check_aux_loss(model: torch.nn.Module, coef: float, where: str) -> None:
                           "leave it at 0")
     if coef > 0 and not is_sequence_routed(model.config) and not any(
             hasattr(model.config, key) for key in BALANCE_KEYS):
+        why = (" (transformers' DeepSeek-V2 / V3 train without one; V3 balances its experts "
+               "with a per-expert routing bias, e_score_correction_bias, which finetune keeps "
+               "as it is)" if "deepseek" in str(getattr(model.config, "model_type", "")) else "")
         raise RecipeError(f"--aux-loss-coef {coef}: {where}: {type(model).__name__} returns no "
-                          "load-balancing loss (transformers' DeepSeek-V2 / V3 train without "
-                          "one; V3 balances its experts with a per-expert routing bias, "
-                          "e_score_correction_bias, which finetune keeps as it is); leave it "
-                          "at 0")
+                          f"load-balancing loss{why}; leave it at 0")
 
 
 def to_disk_names(model: torch.nn.Module, tensors: dict[str, torch.Tensor],

@@ -13,6 +13,7 @@ import shutil
 import pytest
 import torch
 import yaml
+from lora_adapters import LINEARS, build, load, logits, make_adapter
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
@@ -26,32 +27,8 @@ from moemerge.recipe.mergekit import convert
 
 peft = pytest.importorskip("peft")
 
-IDS = torch.randint(0, 200, (2, 10), generator=torch.Generator().manual_seed(0))
 WEIGHTS = dict(atol=1e-6, rtol=1e-6)  # float32: the same sums (bit for bit here)
 LOGITS = dict(atol=2e-5, rtol=1e-4)  # merged weights against the unmerged forward
-LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def load(path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-@torch.no_grad()
-def logits(model) -> torch.Tensor:
-    return model(input_ids=IDS).logits
-
-
-def make_adapter(base, out, *, seed=0, perturb_saved=False, **config):
-    """A peft LoRA adapter on `base`: A and B random (init_lora_weights=False, seeded); with
-    `perturb_saved`, the modules peft saves whole (modules_to_save, biases) changed too."""
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(load(base), peft.LoraConfig(init_lora_weights=False, **config))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if perturb_saved and ("modules_to_save" in name or name.endswith("bias")):
-                param.add_(0.1 * torch.randn_like(param))
-    model.save_pretrained(out)
-    return out
 
 
 def edit_config(adapter, dst, **changes):
@@ -61,16 +38,6 @@ def edit_config(adapter, dst, **changes):
     config.update(changes)
     (dst / "adapter_config.json").write_text(json.dumps(config))
     return dst
-
-
-def build(tmp_path, recipe: dict, name="out", **options):
-    """Build `recipe` (written next to nothing: absolute paths); (output dir, warnings)."""
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    notes: list[str] = []
-    result = build_file(path, tmp_path / name if not options.get("dry_run") else None,
-                        BuildOptions(**options), warn=notes.append)
-    return result, notes
 
 
 def alone(base, adapter) -> dict:
@@ -358,21 +325,40 @@ def test_validate_names_a_missing_adapter(llama, tmp_path):
     assert "LoRA adapter" in result.output and "no-such-adapter" in result.output
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({"router": {"init": "prompts"}}, "runs the base model from its directory"),
-    ({"router": {"init": "calibrate"}, "calibration": {"data": ["mixed.txt"], "targets": "loss"}},
-     "run from its directory without its LoRA adapter"),
-])
-def test_steps_that_load_a_model_by_its_directory_refuse_an_adapter(llama, plain, tmp_path,
-                                                                   extra, message):
-    """The prompt inits run the base in transformers, loss targets each expert: from their
-    directories, where the adapter would be left out."""
+def test_the_prompt_inits_refuse_a_base_with_an_adapter(llama, plain, tmp_path):
+    """The prompt inits run the base in transformers from its directory, where the adapter
+    would be left out."""
     experts = [{"model": str(llama), "name": "a", "positive_prompts": ["x"]},
                {"model": f"{llama}+{plain}", "name": "b", "positive_prompts": ["y"]}]
-    base = f"{llama}+{plain}" if extra["router"]["init"] == "prompts" else str(llama)
-    recipe = {"kind": "moe", "base_model": base, "experts": experts, **extra}
-    with pytest.raises(RecipeError, match=message):
+    recipe = {"kind": "moe", "base_model": f"{llama}+{plain}", "experts": experts,
+              "router": {"init": "prompts"}}
+    with pytest.raises(RecipeError, match="runs the base model from its directory"):
         build(tmp_path, recipe, dry_run=True)
+
+
+def test_loss_targets_run_each_expert_with_its_adapter(llama, plain, tmp_path):
+    """Loss-target calibration runs every expert: `base+adapter` must run with its adapter,
+    so the routers equal those calibrated against the adapter merged into a dense model (and
+    differ from the routers of an expert run without it)."""
+    from conftest import TEXT
+
+    build(tmp_path, alone(llama, plain), name="merged")
+    (tmp_path / "mixed.txt").write_text(TEXT * 8)
+    calibration = {"router": {"init": "calibrate"},
+                   "calibration": {"data": [str(tmp_path / "mixed.txt")], "targets": "loss",
+                                   "seq_len": 16, "max_tokens": 256}}
+
+    def routers(expert, name):
+        recipe = {"kind": "moe", "base_model": str(llama), "experts": [
+            {"model": str(llama), "name": "a"}, {**expert, "name": "b"}], **calibration}
+        build(tmp_path, recipe, name=name)
+        return load_file(tmp_path / name / "model.safetensors")[
+            "model.layers.0.block_sparse_moe.gate.weight"]
+
+    adapted = routers({"model": str(llama), "lora": str(plain)}, "adapted")
+    torch.testing.assert_close(adapted, routers({"model": str(tmp_path / "merged")}, "dense"),
+                               atol=1e-5, rtol=1e-4)
+    assert (adapted - routers({"model": str(llama)}, "without")).abs().max() > 1e-3
 
 
 def test_shrink_refuses_an_adapter():

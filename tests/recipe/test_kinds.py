@@ -41,7 +41,8 @@ def test_a_kind_is_a_plan_or_a_runner_and_every_planned_kind_has_a_card():
 
 def test_the_parser_is_the_table():
     assert len(BY_TAG) == len(KINDS) == len({k.name for k in KINDS})
-    assert ASSEMBLIES == ("token_routed", "seq_routed", "bridged", "merged_experts")
+    assert ASSEMBLIES == ("token_routed", "seq_routed", "bridged", "merged_experts",
+                          "lora_experts")
     (error,) = recipe_errors({"kind": "blend"})
     assert error == "kind: must be 'merge', 'moe', 'upcycle', 'shrink' or 'stages', got 'blend'"
     (error,) = recipe_errors({"models": []})
@@ -69,7 +70,8 @@ def test_kind_of_and_the_inputs_it_names():
 # the modules that dispatched on recipe classes: they look the kind up now
 LOOKS_UP = ["api.py", "finish/card.py", "finish/gguf.py", "routing/calibration.py",
             "routing/routers.py", "plan/recipe_plan.py", "recipe/load.py", "cli/build.py"]
-TYPE_TEST = re.compile(r"isinstance\([^)]*(Merge|MoE|SeqRouted|Bridged|MergedExperts|Upcycle|"
+TYPE_TEST = re.compile(r"isinstance\([^)]*(Merge|MoE|SeqRouted|Bridged|MergedExperts|LoraExperts|"
+                       r"Upcycle|"
                        r"Shrink)Recipe|\.assembly ==|assembly\", \"token_routed\"")
 
 

@@ -23,9 +23,9 @@ from moemerge.io.atomic import SIDE_FILES, atomic_output_dir, copy_side_files
 from moemerge.io.reader import CheckpointReader, read_config
 from moemerge.io.tensor_list import Extraction, write_order
 from moemerge.io.writer import ShardedWriter, finite
-from moemerge.modeling import is_merged_experts, is_sequence_routed
+from moemerge.modeling import is_lora_experts, is_merged_experts, is_sequence_routed
 
-__all__ = ["Extracted", "extract_expert"]
+__all__ = ["Extracted", "extract_expert", "extract_stored_adapter"]
 
 
 @dataclass
@@ -75,11 +75,12 @@ def choose_extraction(moe: Path, reader: CheckpointReader, config: dict, expert:
     layout = layout_of(config)
     if layout is not None:
         count = layout.expert_count(config)
-    elif is_sequence_routed(config) or is_merged_experts(config):
+    elif is_sequence_routed(config) or is_merged_experts(config) or is_lora_experts(config):
         count = len(config["experts"]) if is_sequence_routed(config) else config["num_experts"]
     else:
         raise CheckpointError(f"{moe}: model_type {config.get('model_type')!r} is not an MoE "
-                              "moemerge builds (token_routed, seq_routed, merged_experts)")
+                              "moemerge builds (token_routed, seq_routed, merged_experts, "
+                              "lora_experts)")
     names = expert_labels(moe, count)
     if weights is not None and not is_merged_experts(config):
         raise RecipeError("--weights: only a merged_experts MoE merges its experts' weights; "
@@ -90,10 +91,44 @@ def choose_extraction(moe: Path, reader: CheckpointReader, config: dict, expert:
         label = names[index] if weights is None else f"weights {weights}"
         return "merged_experts", extract_merged(reader, config, scores, label), label
     index = expert_index(expert, names)
+    if is_lora_experts(config):
+        from moemerge.finish.extract.lora_experts import extract_lora_expert
+
+        return "lora_experts", extract_lora_expert(reader, config, index,
+                                                   names[index]), names[index]
     if layout is not None:
         return "token_routed", extract_token_routed(reader, config, layout, index,
                                                     names[index]), names[index]
     return "seq_routed", extract_seq_routed(reader, config, index, names[index]), names[index]
+
+
+def extract_stored_adapter(moe: Path, out: Path, *, expert: str | None, base: str | None,
+                           force: bool = False) -> Extracted:
+    """Write expert `expert` of an MoE of LoRA experts as the PEFT adapter it stores."""
+    from moemerge.finish.extract.lora_experts import write_stored_adapter
+    from moemerge.io.adapter import LoraAdapter
+
+    moe, out = Path(moe), Path(out)
+    config = read_config(moe)
+    if not is_lora_experts(config):
+        raise RecipeError(f"--lora stored: {moe} is not an MoE of LoRA experts (model_type "
+                          f"{config.get('model_type')!r}); give --lora RANK|auto --base BASE "
+                          "to fit an adapter to one of its experts")
+    if expert is None:
+        raise RecipeError("--lora stored: give --expert NAME (or an index)")
+    names = expert_labels(moe, config["num_experts"])
+    index = expert_index(expert, names)
+    with atomic_output_dir(out, force=force) as tmp:
+        modules = write_stored_adapter(moe, tmp, index, base)
+        adapter = LoraAdapter(tmp)  # reads back as moemerge reads adapters
+        (tmp / "README.md").write_text(
+            f"# {names[index]}, the LoRA adapter of expert {index} of `{moe.name}`\n\n"
+            f"Written by `moemerge extract --lora stored` from the MoE of LoRA experts "
+            f"`{moe}`: {modules} modules, each at the rank it was stored at, scale 1. Load it "
+            f"with peft on the base, `PeftModel.from_pretrained(base_model, path)`"
+            + (f" (base: `{adapter.base_model}`)" if adapter.base_model else "") + ".\n")
+    size = sum(f.stat().st_size for f in out.iterdir())
+    return Extracted(names[index], "lora_experts", 2 * modules, size)
 
 
 def card(moe: Path, kind: str, label: str, extraction: Extraction) -> str:
@@ -102,7 +137,8 @@ def card(moe: Path, kind: str, label: str, extraction: Extraction) -> str:
     return (f"# {label}, extracted from `{moe.name}`\n\n"
             f"A dense `{arch}` written by `moemerge extract` from the {kind} MoE `{moe}`: "
             f"{extraction.what}.\n\n"
-            "It computes what the MoE computes when every token (token_routed), every sequence "
-            "(seq_routed) or every segment (merged_experts) is routed to this expert alone "
+            "It computes what the MoE computes when every token (token_routed, lora_experts), "
+            "every sequence (seq_routed) or every segment (merged_experts) is routed to this "
+            "expert alone "
             "(docs/extend.md). Load it with `AutoModelForCausalLM.from_pretrained(path)`; it "
             "needs no remote code.\n")
