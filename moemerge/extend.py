@@ -64,8 +64,8 @@ from moemerge.io.writer import ShardedWriter, finite, overwrite_tensors, parse_s
 from moemerge.loading import check_seq_len, check_tokenizer_fits, vocab_rows
 from moemerge.modeling import is_merged_experts, is_sequence_routed
 from moemerge.plan.sources import SourceModel, open_sources, resolve_ref
+from moemerge.recipe.base import CalibrationText, ModelRef
 from moemerge.recipe.kinds import labelled_refs
-from moemerge.recipe.models import CalibrationText, ModelRef
 from moemerge.routing.calibrate import Calibration, calibrate_token_routers
 from moemerge.routing.calibration import (
     calibrates,

@@ -18,9 +18,9 @@ import torch
 from moemerge.errors import RecipeError
 from moemerge.merge.primitives import keep_count
 from moemerge.plan.sources import open_sources
+from moemerge.recipe.base import ModelRef
 from moemerge.recipe.kinds import kind_of
 from moemerge.recipe.load import load_recipe
-from moemerge.recipe.models import ModelRef
 
 ROLES = ("embed", "attn", "norm", "ffn", "lm_head")  # report order
 CHUNK = 1 << 20  # entries per float64 block: temporaries stay at ~N × 8 MiB whatever the tensor

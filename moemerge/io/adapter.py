@@ -42,8 +42,8 @@ from moemerge.io.paths import check_no_link_loops, confined
 from moemerge.io.reader import (
     CheckpointReader,
     DerivedReader,
+    RawFile,
     TensorMeta,
-    _RawFile,
     read_safetensors_header,
 )
 from moemerge.io.resolve import looks_like_path
@@ -112,7 +112,7 @@ class _AdapterFile:
         try:
             if self._handle is not None:
                 return self._handle[name].clone()
-            raw = _RawFile(self.file)
+            raw = RawFile(self.file)
             try:
                 return raw.read(meta)
             finally:

@@ -30,11 +30,11 @@ def owned_tempdir(parent: Path, prefix: str) -> Path:
     """A new directory `prefix<pid>-XXXX` in `parent`, with the mode the user's umask gives
     (mkdtemp's 0700 would otherwise become the output's mode)."""
     tmp = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent))
-    os.chmod(tmp, 0o777 & ~_umask())
+    os.chmod(tmp, 0o777 & ~current_umask())
     return tmp
 
 
-def _umask() -> int:
+def current_umask() -> int:
     try:  # reading it does not change it (os.umask would, briefly, for every thread)
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("Umask:"):
@@ -46,7 +46,7 @@ def _umask() -> int:
     return mask
 
 
-def _owner_gone(pid: int) -> bool:
+def owner_gone(pid: int) -> bool:
     if pid == os.getpid():
         return False
     try:
@@ -67,7 +67,7 @@ def sweep_stale(parent: Path, prefix: str, restore: Path | None = None) -> list[
     removed = []
     for stale in sorted(Path(parent).glob(f"{prefix}*")) if Path(parent).is_dir() else []:
         found = owner.match(stale.name)
-        if not stale.is_dir() or found is None or not _owner_gone(int(found[1])):
+        if not stale.is_dir() or found is None or not owner_gone(int(found[1])):
             continue
         if restore is not None and not restore.exists() and (stale / restore.name).is_dir():
             (stale / restore.name).rename(restore)

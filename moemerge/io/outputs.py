@@ -24,11 +24,11 @@ from moemerge.io.atomic import (
     NO_SPACE,
     TMP_TAG,
     NoSpaceLeft,
-    _owner_gone,
-    _umask,
+    current_umask,
     deferred_signals,
     fsync_dir,
     fsync_path,
+    owner_gone,
 )
 from moemerge.io.paths import check_output_apart, working_directory
 
@@ -96,7 +96,7 @@ def write_output_file(out: Path, content: str | bytes | Callable[[Path], None],
     tmp = Path(name)
     try:
         os.close(fd)
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~current_umask())
         if callable(content):
             content(tmp)
         else:
@@ -122,7 +122,7 @@ def sweep_stale_files(parent: Path, prefix: str) -> list[Path]:
     removed = []
     for stale in sorted(Path(parent).glob(f"{glob_escape(prefix)}*")):
         found = owner.match(stale.name)
-        if found and stale.is_file() and not stale.is_symlink() and _owner_gone(int(found[1])):
+        if found and stale.is_file() and not stale.is_symlink() and owner_gone(int(found[1])):
             stale.unlink(missing_ok=True)
             removed.append(stale)
     return removed

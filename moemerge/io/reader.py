@@ -6,7 +6,7 @@ An MoE stored fused (transformers 5's names) is shown in the classic form, each 
 range of its stack (architectures/forms.py). Tensor data is read with pread (`os.preadv`)
 straight into each tensor's own memory, through file descriptors kept in a small LRU
 (`max_open_files`); nothing is memory-mapped, so a model streamed through does not count in
-RSS (see `_RawFile`). Pickled .bin files (--allow-pickle) are the exception:
+RSS (see `RawFile`). Pickled .bin files (--allow-pickle) are the exception:
 `torch.load(mmap=True)`, each tensor copied out of the mapping.
 
 A tensor that goes to the output unchanged is not read at all: `stored(name)` gives its byte
@@ -265,7 +265,7 @@ class CheckpointReader:
                 for n, t in state.items() if isinstance(t, torch.Tensor)}
 
     def _handle(self, file: Path) -> Any:
-        """An open `_RawFile` (or a memory-mapped pickle's dict), least recently used closed
+        """An open `RawFile` (or a memory-mapped pickle's dict), least recently used closed
         first."""
         if file in self._handles:
             self._handles.move_to_end(file)
@@ -274,7 +274,7 @@ class CheckpointReader:
             _close(self._handles.popitem(last=False)[1])
         try:
             if file.suffix == ".safetensors":
-                handle = _RawFile(file)
+                handle = RawFile(file)
             else:
                 handle = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:  # any failure to open is this file's fault
@@ -363,11 +363,11 @@ class DerivedReader:
 
 
 def _close(handle: Any) -> None:
-    if isinstance(handle, _RawFile):  # a pickle's dict just loses its last reference
+    if isinstance(handle, RawFile):  # a pickle's dict just loses its last reference
         handle.close()
 
 
-class _RawFile:
+class RawFile:
     """A .safetensors file read with pread straight into each tensor's own memory.
 
     Not mmap: mapped pages count in the process's RSS until the mapping closes, so streaming

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 from transformers import AutoModel, GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
@@ -81,7 +82,10 @@ class LoraExpertsLinear(nn.Linear):
 class MoemergeLoraForCausalLM(MoemergeModel, PreTrainedModel, GenerationMixin):
     config_class = MoemergeLoraConfig
     base_model_prefix = "moemerge_lora"
-    _tied_weights_keys = ["lm_head.weight"]  # with tie_word_embeddings, as the base ties
+    # with tie_word_embeddings, as the base ties (transformers 5 maps the head to its source)
+    _tied_weights_keys = ({"lm_head.weight": "model.embed_tokens.weight"}
+                          if int(transformers.__version__.split(".")[0]) >= 5
+                          else ["lm_head.weight"])
 
     def __init__(self, config: MoemergeLoraConfig):
         super().__init__(config)

@@ -17,7 +17,7 @@ from moemerge.merge.registry import get
 from moemerge.plan.jobs import Job, Source
 from moemerge.plan.params import resolve_merge, resolve_weights
 from moemerge.plan.sources import SourceModel
-from moemerge.recipe.models import ModelRef
+from moemerge.recipe.base import ModelRef
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -12,9 +12,9 @@ from moemerge.io.adapter import AdapterReader
 from moemerge.plan.common import check_expert_form
 from moemerge.plan.jobs import Plan
 from moemerge.plan.sources import SourceModel, check_assembly, check_moe_inputs, open_sources
+from moemerge.recipe.base import PROMPTED
 from moemerge.recipe.kinds import Kind, kind_of, labelled_refs
 from moemerge.recipe.load import AnyRecipe
-from moemerge.recipe.models import PROMPTED
 
 
 def open_and_plan(recipe: AnyRecipe, recipe_dir: Path | None, *, allow_pickle: bool,

@@ -36,7 +36,7 @@ def role_tensor(model: SourceModel, role: str) -> str:
     return found[0] if found else role_tensor(model, "embed")
 
 
-def _body_jobs(model: int, source: SourceModel, prefix: str, dtype) -> list[Job]:
+def body_jobs(model: int, source: SourceModel, prefix: str, dtype) -> list[Job]:
     """Copies of a dense model's decoder stack and final norm under `prefix`."""
     return [Job(f"{prefix}{name}", source.reader.meta(name).shape, dtype, "copy",
                 source.roles[name].role, source.roles[name].layer, (Source(model, name),))
@@ -83,7 +83,7 @@ def plan_seq_routed(recipe: SeqRoutedRecipe, models: list[SourceModel]) -> Plan:
                                   recipe.experts, base, output=SHARED[role]))
     jobs.append(_router_job(recipe, experts, models, width, dtype))
     for i, m in enumerate(experts):
-        jobs += _body_jobs(m, models[m], f"experts.{i}.", dtype)
+        jobs += body_jobs(m, models[m], f"experts.{i}.", dtype)
     keep_base = recipe.router.kind == "task_vector"
     if keep_base:
         jobs += _base_jobs(models[0], dtype)
@@ -101,7 +101,7 @@ def _base_jobs(base: SourceModel, dtype) -> list[Job]:
     embed, head = role_tensor(base, "embed"), role_tensor(base, "lm_head")
     jobs = [Job(f"base.{embed}", base.reader.meta(embed).shape, dtype, "copy", "embed", None,
                 (Source(0, embed),))]
-    jobs += _body_jobs(0, base, "base.", dtype)
+    jobs += body_jobs(0, base, "base.", dtype)
     jobs.append(Job("base.lm_head.weight", base.reader.meta(head).shape, dtype, "copy",
                     "lm_head", None, (Source(0, head),)))
     return jobs
@@ -127,7 +127,7 @@ def plan_bridged(recipe: BridgedRecipe, models: list[SourceModel]) -> Plan:
     jobs.append(_router_job(recipe, list(range(len(models))), models, width, dtype, source))
     init_range = models[token].config.get("initializer_range", 0.02)
     for i, model in enumerate(models):
-        jobs += _body_jobs(i, model, f"experts.{i}.", dtype)
+        jobs += body_jobs(i, model, f"experts.{i}.", dtype)
         for side, d_in, d_out in (("in", width, widths[i]), ("out", widths[i], width)):
             jobs += _projector_jobs(f"experts.{i}.proj_{side}", d_in, d_out, recipe, init_range,
                                     dtype, fit=shared[SIDE_ROLE[side]],

@@ -32,8 +32,9 @@ from moemerge.errors import RecipeError
 from moemerge.plan.common import expert_source, merge_job
 from moemerge.plan.jobs import Job
 from moemerge.plan.sources import SourceModel
+from moemerge.recipe.base import MERGEKIT_INITS
 from moemerge.recipe.merge import MergeSpec
-from moemerge.recipe.models import MERGEKIT_INITS, MoERecipe
+from moemerge.recipe.models import MoERecipe
 
 GATE_SCALE = 0.01
 

@@ -17,7 +17,7 @@ from moemerge.io.paths import confined
 from moemerge.io.reader import CheckpointReader
 from moemerge.io.resolve import looks_like_path, resolve_model
 from moemerge.plan.shapes import check_config_shapes, check_config_values
-from moemerge.recipe.models import ModelRef
+from moemerge.recipe.base import ModelRef
 
 # config.json keys on which every input model must agree for tensors to line up
 MUST_AGREE = (

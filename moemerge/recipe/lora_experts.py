@@ -8,13 +8,13 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from moemerge.recipe.models import (
+from moemerge.recipe.base import (
     PROMPTED,
     CalibrationSpec,
     ExpertRef,
     ModelRef,
+    RecipeBase,
     Strict,
-    _RecipeBase,
     calibration_problem,
 )
 
@@ -30,7 +30,7 @@ class LoraRouterSpec(Strict):
         "Tokens of each prompt read by the prompts init."))
 
 
-class LoraExpertsRecipe(_RecipeBase):
+class LoraExpertsRecipe(RecipeBase):
     """`kind: moe`, `assembly: lora_experts`: the base once, the adapters as routed experts."""
 
     kind: Literal["moe"]

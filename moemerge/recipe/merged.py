@@ -8,16 +8,15 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from moemerge.recipe.models import (
+from moemerge.recipe.base import (
     CalibrationSpec,
     ExpertRef,
-    MergeSpec,
     ModelRef,
+    RecipeBase,
     Strict,
-    _RecipeBase,
     calibration_problem,
-    method_problems,
 )
+from moemerge.recipe.merge import MergeSpec, method_problems
 
 
 class CurvatureSpec(Strict):
@@ -43,7 +42,7 @@ class MergedRouterSpec(Strict):
                               "E_m + α · mean τ).")
 
 
-class MergedExpertsRecipe(_RecipeBase):
+class MergedExpertsRecipe(RecipeBase):
     kind: Literal["moe"]
     assembly: Literal["merged_experts"]
     base_model: ModelRef

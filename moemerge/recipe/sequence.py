@@ -11,16 +11,15 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from moemerge.bounds import MAX_SEQ_LEN
-from moemerge.recipe.models import (
+from moemerge.recipe.base import (
     CalibrationSpec,
     ExpertRef,
-    MergeSpec,
     ModelRef,
+    RecipeBase,
     Strict,
-    _RecipeBase,
     calibration_problem,
-    method_problems,
 )
+from moemerge.recipe.merge import MergeSpec, method_problems
 
 SharedRole = Literal["embed", "lm_head"]
 
@@ -61,7 +60,7 @@ class ProjectorSpec(Strict):
                               "default 1/sqrt(d_in) for L, initializer_range for U and D.")
 
 
-class _SequenceRecipe(_RecipeBase):
+class _SequenceRecipe(RecipeBase):
     kind: Literal["moe"]
     experts: list[ExpertRef] = Field(min_length=1)
     experts_per_sequence: int = Field(default=1, ge=1)

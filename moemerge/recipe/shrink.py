@@ -12,7 +12,7 @@ from pydantic import Field, field_validator, model_validator
 
 from moemerge.bounds import MAX_EXPERTS, MAX_SEQ_LEN
 from moemerge.merge.registry import REGISTRY
-from moemerge.recipe.models import CalibrationText, ModelRef, _RecipeBase, _refs_from_str
+from moemerge.recipe.base import CalibrationText, ModelRef, RecipeBase, refs_from_str
 
 Method = Literal["prune", "merge"]
 Saliency = Literal["reap", "frequency"]
@@ -26,7 +26,7 @@ def group_methods() -> list[str]:
                         and not spec.needs_base and (spec.max_models or 2) >= 2)]
 
 
-class ShrinkRecipe(_RecipeBase):
+class ShrinkRecipe(RecipeBase):
     kind: Literal["shrink"]
     model: ModelRef = Field(description="The token-routed MoE to shrink (Mixtral, Qwen2-MoE, "
                             "Qwen3-MoE, FlexOlmo, GraniteMoE), built by moemerge or not.")
@@ -51,7 +51,7 @@ class ShrinkRecipe(_RecipeBase):
     merge_sample: int = Field(default=512, ge=1, le=MAX_SEQ_LEN, description="merge: tokens per "
                               "layer on which every expert's output is compared.")
 
-    _model_ref = field_validator("model", mode="before")(_refs_from_str)
+    _model_ref = field_validator("model", mode="before")(refs_from_str)
 
     @field_validator("merge_method")
     @classmethod

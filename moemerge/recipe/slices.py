@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator, model_validator
 
-from moemerge.recipe.models import MergeInput, ModelRef, Strict, at_most
+from moemerge.recipe.base import MergeInput, ModelRef, Strict, at_most
 
 
 class SliceSource(MergeInput):  # type: ignore[valid-type, misc]

@@ -19,7 +19,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from moemerge.bounds import MAX_STAGES
-from moemerge.recipe.models import ModelRef, Strict
+from moemerge.recipe.base import ModelRef, Strict
 from moemerge.recipe.tree import replaced, strings
 
 # recipe fields that hold model references (strings, or mappings with `model`)

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from moemerge.bounds import MAX_EXPERTS
-from moemerge.recipe.models import ModelRef, Strict, _RecipeBase, _refs_from_str
+from moemerge.recipe.base import ModelRef, RecipeBase, Strict, refs_from_str
 
 
 class UpcycleRouter(Strict):
@@ -25,7 +25,7 @@ class Reinit(Strict):
     seed: int | None = Field(default=None, description="Defaults to the recipe's seed.")
 
 
-class UpcycleRecipe(_RecipeBase):
+class UpcycleRecipe(RecipeBase):
     kind: Literal["upcycle"]
     model: ModelRef
     experts: int = Field(ge=1, le=MAX_EXPERTS, description="Copies of the dense FFN.")
@@ -45,7 +45,7 @@ class UpcycleRecipe(_RecipeBase):
     noise: float = Field(default=0.0, ge=0.0, description="Std of Gaussian noise added to "
                          "each copy's FFN weights.")
 
-    _model_ref = field_validator("model", mode="before")(_refs_from_str)
+    _model_ref = field_validator("model", mode="before")(refs_from_str)
 
     @property
     def inputs(self) -> list[ModelRef]:

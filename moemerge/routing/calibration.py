@@ -23,8 +23,8 @@ from moemerge.io.adapter import AdapterReader
 from moemerge.loading import load_pretrained
 from moemerge.plan.jobs import Plan
 from moemerge.plan.sources import SourceModel
+from moemerge.recipe.base import CalibrationSpec, CalibrationText
 from moemerge.recipe.kinds import kind_of
-from moemerge.recipe.models import CalibrationSpec, CalibrationText
 from moemerge.routing.calibrate import Calibration, domain_targets, loss_targets, token_nll
 from moemerge.token_blocks import make_blocks
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from moemerge.errors import CheckpointError
 from moemerge.io.reader import read_config
 from moemerge.loading import check_tokenizer_fits, load_pretrained, vocab_rows
-from moemerge.recipe.models import ExpertRef
+from moemerge.recipe.base import ExpertRef
 from moemerge.routing.init import contrast_rows
 
 

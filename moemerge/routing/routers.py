@@ -15,8 +15,9 @@ from moemerge.merge.primitives import zero_pad
 from moemerge.plan.jobs import Job, Source
 from moemerge.plan.shared_expert import shared_gate_from_prompts
 from moemerge.plan.sources import SourceModel
+from moemerge.recipe.base import MERGEKIT_INITS
 from moemerge.recipe.kinds import kind_of
-from moemerge.recipe.models import MERGEKIT_INITS, MoERecipe
+from moemerge.recipe.models import MoERecipe
 from moemerge.routing.init import random_router, task_vector_router, uniform_router
 from moemerge.routing.prompts import (
     embed_router_rows,

@@ -264,3 +264,39 @@ def test_dry_run_says_what_each_stack_is_made_of(llama, adapters, tmp_path):
     assert "= base + LoRA" not in stack  # the factor is read, not the merged weight
     assert lines["model.layers.0.mlp.router.weight"] == "router init=random"
     assert result.plan.making_bytes == 0
+
+
+@pytest.mark.parametrize("family, options", [
+    ("qwen2", {}),  # biased q / k / v projections under the LoRA
+    ("qwen3", {}),  # q_norm / k_norm
+    ("mistral", {}),
+    ("llama", {"tie_word_embeddings": True}),
+    ("llama", {"dtype": torch.bfloat16}),
+], ids=["qwen2", "qwen3", "mistral", "tied", "bf16"])
+def test_each_family_expert_alone_is_peft(family, options, model_factory, tmp_path):
+    base = model_factory(family, **options)
+    adapters = [make_adapter(base, tmp_path / f"a{i}", seed=10 + i, r=2 + i, lora_alpha=4,
+                             target_modules=LINEARS[i * 2:i * 2 + 4]) for i in range(2)]
+    build(tmp_path, recipe_of(base, adapters))
+    out = tmp_path / "out"
+    stored = load_file(out / "model.safetensors")
+    assert ("lm_head.weight" in stored) == (not options.get("tie_word_embeddings"))
+    dtype = options.get("dtype", torch.float32)
+    assert stored["model.layers.0.self_attn.q_proj.lora_A"].dtype == dtype
+    model = load(out)
+    tolerance = LOGITS if dtype == torch.float32 else dict(atol=0.05, rtol=0.05)
+    for e, adapter in enumerate(adapters):
+        model.route_to(e)
+        want = logits(peft.PeftModel.from_pretrained(load(base), adapter).eval())
+        torch.testing.assert_close(logits(model), want, **tolerance)
+        assert (logits(load(base)) - want).abs().max() > 3 * tolerance["atol"]
+
+
+def test_families_whose_head_moemerge_does_not_run_are_refused(model_factory, tmp_path):
+    """Granite scales its logits in its own ForCausalLM (logits_scaling), outside the decoder
+    stack this kind's modeling code keeps: refused, naming the assemblies it feeds."""
+    base = model_factory("granite")
+    adapter = make_adapter(base, tmp_path / "a", seed=0, r=2, lora_alpha=2,
+                           target_modules=["q_proj"])
+    with pytest.raises(MismatchError, match="into assembly token_routed only"):
+        build(tmp_path, recipe_of(base, [adapter], experts_per_token=1))

@@ -179,7 +179,7 @@ def plain_reap(moe, text_ids, layer, num_experts, top_k):
                     "reference reads transformers 5's fused expert weights (gate_up_proj)")
 def test_pruning_one_expert_removes_the_least_salient(model_factory, tmp_path, calib):
     from moemerge.eval.perplexity import load_tokenizer
-    from moemerge.recipe.models import CalibrationText
+    from moemerge.recipe.base import CalibrationText
     from moemerge.routing.calibration import calibration_windows
 
     moe = make_moe(tmp_path, model_factory("llama"))

@@ -70,7 +70,7 @@ def test_building_metadata_reads_no_tensor_data(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("tensor data read while reading headers")
 
-    monkeypatch.setattr(reader_module._RawFile, "read", refuse)
+    monkeypatch.setattr(reader_module.RawFile, "read", refuse)
     with CheckpointReader(checkpoint(tmp_path / "m", shards=2)) as reader:
         meta = reader.meta("scale")
         assert (meta.name, meta.dtype, meta.shape, meta.file) == (

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from moemerge.recipe.models import ExpertRef
+from moemerge.recipe.base import ExpertRef
 from moemerge.routing.prompts import mergekit_gate_rows, prompt_router_rows
 
 EXPERTS = [

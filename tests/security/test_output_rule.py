@@ -203,10 +203,10 @@ def test_a_file_output_is_renamed_into_place(key, world, tmp_path, monkeypatch):
     assert not target.is_symlink() and target.stat().st_size > 0
     assert elsewhere.read_text() == "not an input, still never written through a link"
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [target.name]
-    assert oct(target.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+    assert oct(target.stat().st_mode & 0o777) == oct(0o666 & ~current_umask())
 
 
-def _umask():
+def current_umask():
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

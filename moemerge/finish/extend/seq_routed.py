@@ -24,7 +24,7 @@ from moemerge.finish.extend.tensors import check_shapes
 from moemerge.io.reader import CheckpointReader
 from moemerge.io.tensor_list import DenseTensor, config_dtype
 from moemerge.plan.jobs import Job, Source
-from moemerge.plan.sequence import PER_EXPERT, SHARED, _body_jobs, role_tensor
+from moemerge.plan.sequence import PER_EXPERT, SHARED, body_jobs, role_tensor
 from moemerge.plan.sources import SourceModel
 from moemerge.recipe.sequence import SeqRoutedRecipe
 from moemerge.routing.calibrate import Calibration, calibrate_sequence_router
@@ -63,7 +63,7 @@ def new_expert_jobs(recipe: SeqRoutedRecipe, config: dict, model: int, source: S
                 role_tensor(source, role)).shape, dtype, "copy", role, None,
                 (Source(model, role_tensor(source, role)),))
             for role in ("embed", "lm_head") if role in recipe.per_expert]
-    return jobs + _body_jobs(model, source, f"experts.{index}.", dtype)
+    return jobs + body_jobs(model, source, f"experts.{index}.", dtype)
 
 
 def check_expert(moe: CheckpointReader, config: dict, source: SourceModel, jobs: list[Job],
