@@ -67,6 +67,18 @@ def materialise_toy_set(spec, directory: Path, *, force: bool = False, progress:
     return toyset
 
 
+def materialise_lora_set(directory: Path, *, force: bool = False, progress: bool = True):
+    """Copy the (cached, made on first use) LoRA experts of the SmolLM2 base into `directory`:
+    base/, adapters/<domain>/, data/."""
+    from moemerge.toy.real_lora import LORA, cached_lora_experts
+
+    _check_apart(directory, force)
+    loraset = cached_lora_experts(LORA, progress=progress)
+    _copy_parts({part: loraset.root / part for part in ("base", "adapters", "data")}, directory,
+                force)
+    return loraset
+
+
 def materialise_pretrained(name: str, directory: Path, *, force: bool = False) -> Path:
     """Copy the (cached, converted on first use) real pretrained base into `directory`/base."""
     from moemerge.toy.pretrained import cached_pretrained

@@ -71,24 +71,15 @@ def make_real_experts(spec: RealExpertSpec, base: Path, out_dir: Path,
                       progress: bool = False) -> dict:
     """Train one expert per domain from `base` into `out_dir` (which must not exist); returns
     what realset.json records."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     clock = time.perf_counter()
-    out_dir.mkdir(parents=True)
-    shutil.copytree(base, out_dir / "base")
-    tokenizer = AutoTokenizer.from_pretrained(base)
     record = {"format": FORMAT_VERSION, "spec": asdict(spec), "base": "base", "experts": {},
               "train_text": {}, "eval_text": {}, "perplexity": {}, "seconds": {}}
-    streams = {d: (token_stream(tokenizer, train), token_stream(tokenizer, held))
-               for d, (train, held) in write_texts(spec, out_dir, record).items()}
+    tokenizer, streams = start_set(spec, base, out_dir, record)
 
     def score(model) -> dict[str, float]:
-        return {d: round(heldout_perplexity(model, held, spec.seq_len, spec.eval_tokens), 4)
-                for d, (_, held) in streams.items()}
+        return domain_scores(model, streams, spec)
 
-    with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = load_float32(base)
     record["perplexity"]["base"] = score(model)
     initial = {n: p.detach().clone() for n, p in model.named_parameters() if ".mlp." in n}
     with progress_bars(progress) as task:
@@ -102,6 +93,38 @@ def make_real_experts(spec: RealExpertSpec, base: Path, out_dir: Path,
     record["seconds"]["total"] = round(time.perf_counter() - clock, 1)
     (out_dir / REALSET_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+def start_set(spec, base: Path, out_dir: Path, record: dict) -> tuple:
+    """The start of a set branched from a real `base` (this module's experts, and the LoRA
+    experts of moemerge.toy.real_lora): `out_dir` made (it must not exist) with a copy of the
+    base in base/ and each domain's text in data/ (their paths recorded in `record`'s
+    train_text / eval_text); returns (the base's tokenizer, {domain: (train, held-out) token
+    streams})."""
+    from transformers import AutoTokenizer
+
+    out_dir.mkdir(parents=True)
+    shutil.copytree(base, out_dir / "base")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    streams = {d: (token_stream(tokenizer, train), token_stream(tokenizer, held))
+               for d, (train, held) in write_texts(spec, out_dir, record).items()}
+    return tokenizer, streams
+
+
+def domain_scores(model, streams: dict, spec) -> dict[str, float]:
+    """{domain: held-out perplexity} of `model` on each domain's held-out stream of `streams`
+    ({domain: (train, held-out)}), `spec.eval_tokens` tokens in windows of `spec.seq_len`."""
+    return {d: round(heldout_perplexity(model, held, spec.seq_len, spec.eval_tokens), 4)
+            for d, (_, held) in streams.items()}
+
+
+def load_float32(path: Path):
+    """The causal LM at `path` in float32 (the precision the experts train in)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with quiet_transformers():
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
 def _train_ffns(model, initial: dict, streams: list, steps: int, spec: RealExpertSpec,
@@ -134,16 +157,14 @@ def make_mixture_control(toyset: ToySet, out_dir: Path, extra_steps: int = 0,
     the experts were trained (same lr, batches, schedule, frozen rest) for as many steps as all
     the experts together, plus `extra_steps` (those an MoE trains after the merge); written to
     `out_dir` in bf16 with mixture.json (written last)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     spec, start = toyset.spec, time.perf_counter()
     steps = len(spec.domains) * spec.steps + extra_steps
     tokenizer = AutoTokenizer.from_pretrained(toyset.base)
     streams = [token_stream(tokenizer, p.read_text(encoding="utf-8"))
                for p in toyset.train_text.values()]
-    with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(toyset.base, dtype=torch.float32)
+    model = load_float32(toyset.base)
     initial = {n: p.detach().clone() for n, p in model.named_parameters() if ".mlp." in n}
     with progress_bars(progress) as task:
         _train_ffns(model, initial, streams, steps, spec, task("all domains", steps))
