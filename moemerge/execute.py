@@ -15,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
+from typing_extensions import assert_never  # typing from 3.11
 
 from moemerge import buffers
 from moemerge.errors import CheckpointError, RecipeError
@@ -78,38 +79,48 @@ def compute(job: Job, load: Load, make_router: MakeRouter | None, seed: int,
 
         def load(source: Source) -> torch.Tensor:
             return aligned[source.model]
-    if job.kind == "copy":
-        out = load(job.sources[0])
-    elif job.kind == "zeros":
-        out = torch.zeros(job.shape)
-    elif job.kind == "identity":  # [..., r, c]: an identity matrix in every leading slot
-        out = torch.eye(*job.shape[-2:]).expand(job.shape)
-    elif job.kind == "lstsq":
-        out = projector_fit(job, load)
-    elif job.kind == "random":
-        out = torch.randn(job.shape, generator=generator_for(seed, job.name)) * job.std
-    elif job.kind == "router":
-        assert make_router is not None, "router job without a router factory"
-        out = make_router(job, load)
-    elif job.kind == "fuse":  # each group's parts by rows, the groups stacked [G, rows, cols]
-        out = _fused(job, lambda part: compute(part, load, make_router, seed, device))
-    else:
-        params = job.merge
-        assert params is not None
-        def on_device(source: Source) -> torch.Tensor:
-            return load(source).to(device, non_blocking=True)
 
-        out = merge(
-            params.method,
-            base=on_device(job.base) if job.base is not None else None,
-            tensors=[zero_pad(on_device(s), job.shape) for s in job.sources],
-            weights=list(job.weights) or None,
-            # counter-based draws per output tensor: the same bytes in any order, on any device
-            draws=Draws.of(seed, job.name),
-            dtype=job.dtype,  # large tensors are merged in row blocks straight into it
-            **params.params,
-        )
+    match job.kind:  # every JobKind, or the type checker and assert_never say which is not
+        case "copy":
+            out = load(job.sources[0])
+        case "zeros":
+            out = torch.zeros(job.shape)
+        case "identity":  # [..., r, c]: an identity matrix in every leading slot
+            out = torch.eye(*job.shape[-2:]).expand(job.shape)
+        case "lstsq":
+            out = projector_fit(job, load)
+        case "random":
+            out = torch.randn(job.shape, generator=generator_for(seed, job.name)) * job.std
+        case "router":
+            assert make_router is not None, "router job without a router factory"
+            out = make_router(job, load)
+        case "fuse":  # each group's parts by rows, the groups stacked [G, rows, cols]
+            out = _fused(job, lambda part: compute(part, load, make_router, seed, device))
+        case "merge":
+            out = _merged(job, load, seed, device)
+        case unknown:
+            assert_never(unknown)
     return out.to(device="cpu", dtype=job.dtype).contiguous()
+
+
+def _merged(job: Job, load: Load, seed: int, device: torch.device | str) -> torch.Tensor:
+    """A merge job's tensor: its method over its sources (each moved to `device`)."""
+    params = job.merge
+    assert params is not None
+
+    def on_device(source: Source) -> torch.Tensor:
+        return load(source).to(device, non_blocking=True)
+
+    return merge(
+        params.method,
+        base=on_device(job.base) if job.base is not None else None,
+        tensors=[zero_pad(on_device(s), job.shape) for s in job.sources],
+        weights=list(job.weights) or None,
+        # counter-based draws per output tensor: the same bytes in any order, on any device
+        draws=Draws.of(seed, job.name),
+        dtype=job.dtype,  # large tensors are merged in row blocks straight into it
+        **params.params,
+    )
 
 
 def projector_fit(job: Job, load: Load) -> torch.Tensor:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import torch
+from typing_extensions import assert_never  # typing from 3.11
 
 from moemerge.plan.params import ResolvedMerge
 
@@ -127,27 +128,29 @@ class Plan:
             change = f" as {s.change.describe()}" if s.change is not None else ""
             return f"{self.labels[s.model]}:{s.tensor}{made(s)}{change}"
 
-        if job.kind == "copy":
-            how = f"copy {src(job.sources[0])}"
-        elif job.kind == "merge":
-            assert job.merge is not None
-            base = f" base={self.labels[job.base.model]}{made(job.base)}" if job.base else ""
-            models = ", ".join(self.labels[s.model] + made(s) + (f" ({s.change.describe()})"
-                                                                 if s.change else "")
-                               for s in job.sources)
-            how = f"{job.merge.describe()} of [{models}]{base}"
-        elif job.kind == "router":
-            how = f"router init={job.router_init}"
-        elif job.kind == "random":
-            how = f"random std={job.std:g}"
-        elif job.kind == "fuse" and len(job.parts) == 1:  # a fused tensor's parts
-            how = "; ".join(f"{p.output.rsplit(':', 1)[-1]}: {self.describe_job(p)}"
-                            for p in job.parts[0])
-        elif job.kind == "fuse":
-            how = (f"fuse {len(job.parts)} × [" + "; ".join(self.describe_job(p) for p in
-                                                          job.parts[0]) + ", …]")
-        else:
-            how = job.kind
+        match job.kind:  # every JobKind (assert_never: a new one must say what it does)
+            case "copy":
+                how = f"copy {src(job.sources[0])}"
+            case "merge":
+                assert job.merge is not None
+                base = f" base={self.labels[job.base.model]}{made(job.base)}" if job.base else ""
+                models = ", ".join(self.labels[s.model] + made(s) + (
+                    f" ({s.change.describe()})" if s.change else "") for s in job.sources)
+                how = f"{job.merge.describe()} of [{models}]{base}"
+            case "router":
+                how = f"router init={job.router_init}"
+            case "random":
+                how = f"random std={job.std:g}"
+            case "fuse" if len(job.parts) == 1:  # a fused tensor's parts
+                how = "; ".join(f"{p.output.rsplit(':', 1)[-1]}: {self.describe_job(p)}"
+                                for p in job.parts[0])
+            case "fuse":
+                how = (f"fuse {len(job.parts)} × [" + "; ".join(self.describe_job(p) for p in
+                                                              job.parts[0]) + ", …]")
+            case "zeros" | "identity" | "lstsq":
+                how = job.kind
+            case unknown:
+                assert_never(unknown)
         if job.router_init == "calibrate":
             how += " (a placeholder here: fitted on the written model)"
         if job.vocab is not None:
