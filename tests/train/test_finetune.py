@@ -137,6 +137,7 @@ def test_resume_retraces_the_uninterrupted_run(toy, tmp_path):
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
+@pytest.mark.multiprocess
 def test_two_processes_match_one(toy, tmp_path):
     moe, ts = toy
     one, two = tmp_path / "one", tmp_path / "two"
@@ -148,6 +149,7 @@ def test_two_processes_match_one(toy, tmp_path):
     assert any(not torch.equal(a[n], tensors(moe)[n]) for n in a if n.endswith(ROUTER))
 
 
+@pytest.mark.multiprocess
 def test_fsdp_two_processes_match_one(toy, tmp_path):
     """Router-only, so FSDP groups mix the trainable router with its frozen layer; grad-accum 2;
     eval fraction 0.07: 97 held-out blocks, shares of 49 and 48, 7 and 6 batches of 8, so rank 1
@@ -169,6 +171,7 @@ def test_fsdp_two_processes_match_one(toy, tmp_path):
     torch.testing.assert_close(train_losses(tmp_path / "two"), ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.multiprocess
 def test_fsdp_resume_retraces_the_uninterrupted_run(toy, tmp_path):
     """--full on 2 FSDP ranks, checkpoints at steps 2 and 4 of 5: resuming from step 4 under FSDP
     gives the same output bit for bit, and the checkpoints hold full tensors in the layout one

@@ -107,6 +107,7 @@ def test_curvature_on_a_model_without_it_is_refused(camex, tmp_path):
         finetune(cfg)
 
 
+@pytest.mark.multiprocess
 def test_two_process_fsdp_matches_one_process(camex, tmp_path):
     """Merged experts shard as one FSDP group (every layer's merged weights are computed before
     the backbone runs). Measured: trained tensors within 2.0e-6 of one process (Adam's first
