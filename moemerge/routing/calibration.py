@@ -19,8 +19,8 @@ import torch
 
 from moemerge.data import read_domains
 from moemerge.errors import RecipeError
-from moemerge.io.adapter import AdapterReader
-from moemerge.loading import load_pretrained
+from moemerge.io.reader import DerivedReader
+from moemerge.loading import load_pretrained, quiet_transformers
 from moemerge.plan.jobs import Plan
 from moemerge.plan.sources import SourceModel
 from moemerge.recipe.base import CalibrationSpec, CalibrationText
@@ -100,16 +100,28 @@ def model_as_stored(path: Path):
 
 @torch.no_grad()
 def source_as_stored(model: SourceModel):
-    """An input model as the build reads it: its directory's model, with what a LoRA adapter
-    on it changes (`model: base+adapter`: each targeted weight W + s·B·A, io/adapter.py)
-    written into its parameters."""
-    loaded = model_as_stored(model.path)
-    if isinstance(model.reader, AdapterReader):
-        params = dict(loaded.named_parameters())
-        for name in model.reader.names():
-            if model.reader.describe(name) is not None:
-                params[name].copy_(model.reader.read(name))
-    return loaded
+    """An input model as the build reads it: its directory's model when it is read as stored;
+    a model its reader makes (an MoE's `expert: N`, whose directory holds the whole MoE; a
+    LoRA adapter on either, each targeted weight W + s·B·A) built from the reader's config
+    and filled with the reader's tensors, in their stored dtype."""
+    if not isinstance(model.reader, DerivedReader):
+        return model_as_stored(model.path)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**{k: v for k, v in model.reader.config.items()
+                                     if k not in ("architectures", "auto_map")})
+    tensors = {name: model.reader.read(name) for name in model.reader.names()}
+    dtype = next(iter(tensors.values())).dtype
+    with quiet_transformers():
+        made = AutoModelForCausalLM.from_config(config).to(dtype)
+    missing, unexpected = made.load_state_dict(tensors, strict=False)
+    tied = {name for name in missing if name == "lm_head.weight"} \
+        if getattr(config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{model.where()}: its tensors do not fit its config (missing "
+                         f"{sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
+    made.tie_weights()
+    return made.eval()
 
 
 def calibrated_routers(recipe, plan: Plan, built: Path, cal: Calibration,

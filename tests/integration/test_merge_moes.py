@@ -292,3 +292,37 @@ def test_routers_recalibrate_in_every_softmax_family(family, moes, tmp_path, tok
     assert routers and all(not torch.equal(before[n], after[n]) for n in routers)
     assert all(torch.equal(before[n], after[n]) for n in before if n not in routers)
     assert torch.isfinite(logits(calibrated)).all()
+
+
+def test_loss_targets_run_an_expert_input_as_the_dense_model_extract_writes(moes, tmp_path):
+    """Loss-target calibration runs each expert: `{model: moe, expert: N}` must run as that
+    expert's dense model, not as the MoE its directory holds, so the routers equal those
+    calibrated on the extracted expert (and differ when the two experts are swapped)."""
+    from conftest import TEXT
+    from typer.testing import CliRunner
+
+    from moemerge.cli import app
+
+    _, a, _ = moes("mixtral")
+    for index in (1, 2):
+        result = CliRunner().invoke(app, ["extract", str(a), str(tmp_path / f"e{index}"),
+                                          "--expert", str(index)])
+        assert result.exit_code == 0, result.output
+    (tmp_path / "mixed.txt").write_text(TEXT * 8)
+
+    def routers(experts: list[str], name: str) -> torch.Tensor:
+        recipe = write_recipe(tmp_path / f"{name}.yaml", "\n".join([
+            "kind: moe", f"base_model: {tmp_path / 'e1'}", "experts:",
+            *(f"  - {{{e}, name: x{i}}}" for i, e in enumerate(experts)),
+            "router: {init: calibrate}",
+            f"calibration: {{data: [{tmp_path / 'mixed.txt'}], targets: loss, seq_len: 16, "
+            "max_tokens: 256}"]) + "\n")
+        build(recipe, tmp_path / name, progress=False)
+        return load_file(tmp_path / name / "model.safetensors")[
+            "model.layers.0.block_sparse_moe.gate.weight"]
+
+    taken = routers([f"model: {a}, expert: 1", f"model: {a}, expert: 2"], "taken")
+    extracted = routers([f"model: {tmp_path / 'e1'}", f"model: {tmp_path / 'e2'}"], "extracted")
+    torch.testing.assert_close(taken, extracted, atol=1e-5, rtol=1e-4)
+    swapped = routers([f"model: {tmp_path / 'e2'}", f"model: {tmp_path / 'e1'}"], "swapped")
+    assert (taken - swapped).abs().max() > 1e-3
