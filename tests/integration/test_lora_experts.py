@@ -300,3 +300,13 @@ def test_families_whose_head_moemerge_does_not_run_are_refused(model_factory, tm
                            target_modules=["q_proj"])
     with pytest.raises(MismatchError, match="into assembly token_routed only"):
         build(tmp_path, recipe_of(base, [adapter], experts_per_token=1))
+
+
+def test_all_mixes_every_adapter_by_the_softmax(llama, adapters, tmp_path):
+    build(tmp_path, recipe_of(llama, adapters, experts_per_token="all"))
+    model = load(tmp_path / "out")
+    assert model.config.experts_per_token == 3
+    logits(model)
+    for router in model.router_modules().values():
+        assert (router.gates > 0).all()
+        torch.testing.assert_close(router.gates.sum(-1), torch.ones(router.gates.shape[:-1]))
