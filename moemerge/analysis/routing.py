@@ -195,9 +195,9 @@ def token_routers(model: torch.nn.Module, num_experts: int) -> list[tuple[int, t
     own = getattr(model, "router_modules", None)
     if not callable(own):
         return find_routers(model, num_experts)
-    routers = [(int(name.split(".")[2]), m) for name, m in own().items()]
-    ffn = [(layer, m) for (layer, m), name in zip(routers, own(), strict=True) if ".mlp." in name]
-    return ffn or routers
+    routers = own()  # {model.layers.{l}.<block>.router: module}
+    ffn = {name: m for name, m in routers.items() if ".mlp." in name}
+    return [(int(name.split(".")[2]), m) for name, m in (ffn or routers).items()]
 
 
 def _record_scores(mlp, total: torch.Tensor):
