@@ -53,16 +53,20 @@ from moemerge.plan.recipe_plan import make_plan, open_and_plan
 from moemerge.plan.sources import SourceModel
 from moemerge.progress import Stages
 from moemerge.recipe.kinds import KINDS, Kind, kind_of, labelled_refs
-from moemerge.recipe.load import AnyRecipe, load_recipe
+from moemerge.recipe.load import AnyRecipe, load_recipe, parse_recipe
 from moemerge.report import human_bytes
 from moemerge.routing.calibration import (
+    calibrated_model,
     calibrated_routers,
     calibrates,
     calibration_texts,
+    decided_later,
     expert_models,
+    router_tensors,
 )
 from moemerge.routing.routers import router_maker
 from moemerge.routing.statistics import keep_statistics
+from moemerge.routing.top_k import choose_top_k, chosen_recipe_text, held_out_ids
 from moemerge.tune import (
     TUNING_FILE,
     Candidate,
@@ -225,6 +229,7 @@ class _Build:
         with self.stage("planning") as found:  # reading every model's header
             models, plan = open_and_plan(self.recipe, self.source.dir,
                                          allow_pickle=self.options.allow_pickle, stack=stack)
+            plan.decided_later = decided_later(self.recipe)
             found(f"{plural(len(models), 'model')}, {plural(len(plan.jobs), 'output tensor')}, "
                   f"{human_bytes(plan.total_bytes)}")
         for message in [*self._override_warnings(models, plan), *plan.notes]:
@@ -298,15 +303,19 @@ class _Build:
                 (tmp / TUNING_FILE).write_text(tuning_json(tuning, options.tune))
             write(tmp, plan, recipe, recipe_text)
             if calibration is not None:  # fitted on the model just written (routers: placeholders)
-                with self.stage("calibrating the routers") as found:
-                    stats: dict = {}
-                    routers = calibrated_routers(recipe, plan, tmp, calibration, stats)
-                    for name, router in routers.items():
-                        tensors.check_output(name, router)
-                    overwrite_tensors(tmp, routers)
-                    if stats:  # what `moemerge extend` refits the routers from
-                        keep_statistics(tmp, stats, calibration.ids.shape[0])
-                    found(plural(len(routers), "router"))
+                stats: dict = {}
+                if getattr(recipe, "experts_per_token", None) == "auto":
+                    recipe, recipe_text, plan, routers, stats = self._choose_top_k(
+                        tmp, models, recipe_text, calibration, tokenizer_dir)
+                else:
+                    with self.stage("calibrating the routers") as found:
+                        routers = calibrated_routers(recipe, plan, tmp, calibration, stats)
+                        found(plural(len(routers), "router"))
+                for name, router in routers.items():
+                    tensors.check_output(name, router)
+                overwrite_tensors(tmp, routers)
+                if stats:  # what `moemerge extend` refits the routers from
+                    keep_statistics(tmp, stats, calibration.ids.shape[0])
             full = options.verify == "full" or (options.verify == "auto"
                                                 and plan.total_bytes <= FULL_LOAD_LIMIT)
             loaded = None
@@ -320,6 +329,31 @@ class _Build:
                 written = write_gguf(out, options.gguf, converter, timeout)
         return BuildResult(plan, out, "full" if full else "structure", tuning, gguf=written,
                            loaded=loaded)
+
+    def _choose_top_k(self, dest: Path, models: list[SourceModel], recipe_text: str,
+                      calibration, tokenizer_dir: Path):
+        """`experts_per_token: auto`: the routers calibrated under each k and k chosen on the
+        model at `dest` (routing/top_k.py); its config, recipe copy and card written again with
+        it. -> (recipe, its text, plan, the chosen k's routers and their statistics)."""
+        recipe, fitted = self.recipe, {}
+
+        def calibrated_with(k: int):
+            fitted[k] = {}
+            model, routers = calibrated_model(recipe, dest, calibration, fitted[k],
+                                              num_experts_per_tok=k)
+            fitted[k] = (routers, fitted[k])
+            return model
+
+        with self.stage("calibrating the routers and choosing experts per token") as found:
+            choice = choose_top_k(calibrated_with, held_out_ids(calibration.ids),
+                                  recipe.num_experts)
+            routers, stats = fitted[choice.chosen]
+            recipe_text = chosen_recipe_text(recipe_text, choice)
+            recipe = parse_recipe(yaml.safe_load(recipe_text), self.source.name)
+            plan = make_plan(recipe, models)
+            self._finish(dest, plan, recipe, recipe_text, tokenizer_dir)
+            found(choice.describe())
+        return recipe, recipe_text, plan, router_tensors(plan, routers), stats
 
     def _finish(self, dest: Path, plan: Plan, recipe: AnyRecipe, recipe_text: str,
                 tokenizer_dir: Path) -> None:

@@ -110,6 +110,8 @@ def build(
             out.print(plan_table(result.plan))
         else:
             print("\n".join(plan_lines(result.plan)))
+        for line in result.plan.decided_later:
+            err.print(f"after writing: {escape(line)}", highlight=False)
         if result.estimate is not None:
             err.print(f"output: {human_bytes(result.estimate.output_bytes)}; estimated peak "
                       f"memory: {human_bytes(result.estimate.peak_bytes)} above start-up "

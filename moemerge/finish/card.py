@@ -96,7 +96,7 @@ def token_routed_card(recipe: MoERecipe, plan: Plan):
         experts.append(("base", recipe.base_model.model))
     what = (
         f"a token-routed Mixture-of-Experts ({plan.config['architectures'][0]}) with "
-        f"{plural(len(experts), 'expert')}, {recipe.experts_per_token} per token, built from dense "
+        f"{plural(len(experts), 'expert')}, {recipe.top_k} per token, built from dense "
         f"experts branched from `{recipe.base_model.model}`"
     )
     details = [

@@ -121,11 +121,11 @@ def plan_token_routed(recipe: MoERecipe, models: list[SourceModel]) -> Plan:
                             (expert_source(owner, name, role.proj, ref, recipe.seed, output),)))
     config = moe_config(
         base.config, layout, dtype, num_experts=len(ffn_owners),
-        experts_per_token=recipe.experts_per_token,
+        experts_per_token=recipe.top_k,
         shared_width=shared_expert_width(recipe, base),
     )
     return Plan([m.label for m in models], fuse_jobs(layout, jobs), config,
-                notes=downstream_notes(layout, recipe.experts_per_token, len(ffn_owners),
+                notes=downstream_notes(layout, recipe.top_k, len(ffn_owners),
                                        shared=recipe.shared_expert != "none"))
 
 

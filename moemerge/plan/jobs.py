@@ -109,6 +109,8 @@ class Plan:
     jobs: list[Job]
     config: dict
     notes: list[str] = field(default_factory=list)  # build warns each; the model card lists them
+    # what the build decides on the written model (calibration's choices), for --dry-run
+    decided_later: list[str] = field(default_factory=list)
     tokenizer: str | None = None  # the output's tokenizer.json when the plan makes one
     resident_bytes: int = 0  # what the sources' changes hold between jobs (the memory estimate)
     # (input, tensor) -> what the input's reader makes of its stored tensor ("base + LoRA

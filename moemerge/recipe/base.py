@@ -7,7 +7,7 @@ No torch import here: a recipe can be validated without loading any tensor libra
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     ConfigDict,
@@ -185,8 +185,10 @@ class CalibrationSpec(CalibrationText):
         default="auto", description="domain: one-hot of the text's expert; loss: softmax of "
         "the negative per-token expert losses; auto: domain when every text names an expert, "
         "loss for one text.")
-    confidence: float = Field(default=0.8, gt=0.0, lt=1.0, description="Mean top-1 routing "
-                              "probability the rows are scaled to on the calibration data.")
+    confidence: Annotated[float, Field(gt=0.0, lt=1.0)] | Literal["fit"] = Field(
+        default=0.8, description="Mean top-1 routing probability the routers are scaled to on "
+        "the calibration data; fit: each router's scale fitted to the targets of held-out "
+        "windows (temperature scaling).")
 
 
 def calibration_problem(calibrates: bool, calibration: CalibrationSpec | None,
@@ -196,7 +198,8 @@ def calibration_problem(calibrates: bool, calibration: CalibrationSpec | None,
         return f"{init_field}: 'calibrate' needs a `calibration: {{data: ...}}` block"
     if not calibrates and calibration is not None:
         return f"calibration: given, but {init_field} is not 'calibrate' (nothing would read it)"
-    if calibration is not None and calibration.confidence <= 1 / num_experts:
+    if calibration is not None and calibration.confidence != "fit" \
+            and calibration.confidence <= 1 / num_experts:
         return (f"calibration.confidence: {calibration.confidence} is not above 1/{num_experts} "
                 "(the top-1 probability of uniform routing)")
     return None

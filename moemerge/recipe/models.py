@@ -7,7 +7,7 @@ No torch import here: a recipe can be validated without loading any tensor libra
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     Field,
@@ -182,7 +182,11 @@ class MoERecipe(RecipeBase):
     include_base_expert: bool = Field(
         default=False, description="Add the base model's own FFN as one more expert."
     )
-    experts_per_token: int = Field(default=2, ge=1, description="Experts each token uses.")
+    experts_per_token: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        default=2, description="Experts each token uses; auto: chosen after the routers are "
+        "calibrated (router.init: calibrate), the smallest k in 1..experts whose loss on "
+        "held-out calibration windows is within 0.1 % of the best (the choice is written into "
+        "the config and the recipe copy).")
     shared_expert: Literal["none", "base", "average"] | RoutedExpertRef = Field(
         default="none",
         description="The always-on shared expert (Qwen2-MoE, DeepSeek-MoE; a Llama base "
@@ -206,6 +210,13 @@ class MoERecipe(RecipeBase):
         return len(self.experts) + int(self.include_base_expert)
 
     @property
+    def top_k(self) -> int:
+        """Experts per token as planned: with `auto`, 2 (or 1 of 1) until calibration chooses."""
+        if self.experts_per_token == "auto":
+            return min(2, self.num_experts)
+        return self.experts_per_token
+
+    @property
     def shared_model(self) -> RoutedExpertRef | None:
         """The model whose FFN is the shared expert, when the recipe names one."""
         return self.shared_expert if isinstance(self.shared_expert, ExpertRef) else None
@@ -223,9 +234,14 @@ class MoERecipe(RecipeBase):
         problems = method_problems(self.merge, len(self.experts), has_base=True, moe=True)
         if problems:
             raise ValueError("; ".join(problems))
-        if self.experts_per_token > self.num_experts:
+        if self.experts_per_token == "auto" and self.router.init != "calibrate":
             raise ValueError(
-                f"experts_per_token: {self.experts_per_token} is larger than the number of experts "
+                "experts_per_token: 'auto' is chosen on held-out calibration windows after the "
+                f"routers are calibrated; it needs router.init: calibrate (here "
+                f"{self.router.init!r}), or give a number")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"experts_per_token: {self.top_k} is larger than the number of experts "
                 f"({self.num_experts})"
             )
         if any(o.roles and "ffn" in o.roles for o in self.merge.overrides):

@@ -18,14 +18,24 @@ import torch.nn.functional as F
 
 from moemerge.routing.capture import BATCH, layer_rows
 from moemerge.routing.modules import find_routers, layout_of
-from moemerge.routing.ridge import decisive_scale, fit_router, held_out_windows
+from moemerge.routing.ridge import (
+    centre,
+    decisive_scale,
+    fit_router,
+    fitted_scale,
+    held_out_windows,
+    normal_equations,
+    ridge_solution,
+)
 
 
 @dataclass
 class Calibration:
     ids: torch.Tensor  # [W, S + 1] token windows: inputs ids[:, :-1], next tokens ids[:, 1:]
     targets: torch.Tensor  # [W, S, E] expert targets per input position (each sums to 1)
-    confidence: float  # mean top-1 routing probability the rows are scaled to
+    # the mean top-1 routing probability the rows are scaled to, or "fit": each router's scale
+    # fitted to the targets of held-out windows (temperature scaling, ridge.fitted_scale)
+    confidence: float | str
 
 
 def domain_targets(domain: torch.Tensor, expert_of: list[int], num_experts: int,
@@ -51,12 +61,30 @@ def token_nll(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def _solve(x: torch.Tensor, y: torch.Tensor, window: torch.Tensor, confidence: float,
+def _solve(x: torch.Tensor, y: torch.Tensor, window: torch.Tensor, confidence: float | str,
            temperature: float = 1.0) -> torch.Tensor:
     """Ridge router [E, H] fp32 from rows x [R, H] and targets y [R, E], scaled so that
-    softmax(x Wᵀ / temperature) has mean top-1 probability `confidence`."""
-    w, _ = fit_router(x, y, held_out_windows(window))
-    return (w * decisive_scale(x.double() @ w.T, confidence) * temperature).float()
+    softmax(x Wᵀ / temperature) has mean top-1 probability `confidence`, or ("fit") by the
+    scale that best predicts the targets of the held-out windows."""
+    held_out = held_out_windows(window)
+    w, lam = fit_router(x, y, held_out)
+    if confidence == "fit":
+        scale = held_out_scale(x, y, held_out, lam, w)
+    else:
+        scale = decisive_scale(x.double() @ w.T, confidence)
+    return (w * scale * temperature).float()
+
+
+def held_out_scale(x: torch.Tensor, y: torch.Tensor, held_out: torch.Tensor, lam: float,
+                   w: torch.Tensor) -> float:
+    """The temperature-scaling fit of the router's scale: on the held-out rows, through the
+    router fitted without them (the same λ), so that the scale is not fitted to rows the
+    router has memorised; on every row, through w [E, H], when none or all are held out."""
+    if not bool(held_out.any()) or bool(held_out.all()):
+        return fitted_scale(x.double() @ w.T, y)
+    fit_rows = normal_equations(x[~held_out], centre(y[~held_out].double()))
+    w_fit = ridge_solution(fit_rows, lam).T  # [E, H]
+    return fitted_scale(x[held_out].double() @ w_fit.T, y[held_out])
 
 
 def token_gates(model, num_experts: int) -> list[torch.nn.Module]:

@@ -33,6 +33,22 @@ def calibrates(recipe) -> bool:
     return getattr(getattr(recipe, "router", None), "init", None) == "calibrate"
 
 
+def decided_later(recipe) -> list[str]:
+    """What the calibration stage will decide on the written model, for --dry-run."""
+    if not calibrates(recipe):
+        return []
+    spec = recipe.calibration
+    scale = ("each router's scale fitted to the targets of held-out calibration windows "
+             "(calibration.confidence: fit)" if spec.confidence == "fit" else
+             f"scaled to a mean top-1 probability of {spec.confidence:g}")
+    lines = [f"routers: ridge regression on calibration.data (targets: {spec.targets}), {scale}"]
+    if getattr(recipe, "experts_per_token", None) == "auto":
+        lines.append(f"experts_per_token: auto: the smallest k in 1..{recipe.num_experts} within "
+                     "0.1 % of the best loss on held-out calibration windows (the plan shows "
+                     f"{recipe.top_k} until then)")
+    return lines
+
+
 def calibration_texts(spec: CalibrationText, recipe_dir: Path) -> dict[str, list[str]]:
     """{domain: documents}; errors name `calibration.data` (moemerge.data's messages)."""
     domains = read_domains(spec.data, text_field=spec.text_field, what="calibration.data",
@@ -90,12 +106,13 @@ def _spread(index: torch.Tensor, count: int) -> torch.Tensor:
     return index[torch.linspace(0, len(index) - 1, count).round().long()]
 
 
-def model_as_stored(path: Path):
+def model_as_stored(path: Path, **config):
     """The model in its checkpoint's dtype: a router is fitted on the inputs the model computes
     as it will run (a bf16 build in bf16), and a bf16 build is not doubled in memory (loaded
     in fp32, a 1.4 GB model's calibration peaked at 5.1 GB; in bf16 at 2.7 GB:
-    benchmarks/results/calibrate.md). The fit's statistics are float64 whatever the dtype."""
-    return load_pretrained("AutoModelForCausalLM", path, dtype="auto").eval()
+    benchmarks/results/calibrate.md). The fit's statistics are float64 whatever the dtype.
+    `config`: values that override its config.json's (num_experts_per_tok)."""
+    return load_pretrained("AutoModelForCausalLM", path, dtype="auto", **config).eval()
 
 
 @torch.no_grad()
@@ -124,12 +141,23 @@ def source_as_stored(model: SourceModel):
     return made.eval()
 
 
-def calibrated_routers(recipe, plan: Plan, built: Path, cal: Calibration,
-                       stats: dict | None = None) -> dict[str, torch.Tensor]:
-    """{classic tensor name: router} fitted on the model built at `built` (its routers are
-    placeholders) by the kind's calibrator; `stats` receives what it keeps of each fit."""
-    model = model_as_stored(built)
-    fitted = kind_of(recipe).load("calibrator")(model, cal, stats)  # by layer, or by name
+def calibrated_model(recipe, built: Path, cal: Calibration, stats: dict | None = None,
+                     **config) -> tuple[torch.nn.Module, dict]:
+    """(the model built at `built` with its routers fitted in place, {layer or name: router})
+    by the kind's calibrator (the written routers are placeholders); `stats` receives what it
+    keeps of each fit; `config` overrides config.json values (model_as_stored)."""
+    model = model_as_stored(built, **config)
+    return model, kind_of(recipe).load("calibrator")(model, cal, stats)
+
+
+def router_tensors(plan: Plan, fitted: dict) -> dict[str, torch.Tensor]:
+    """{classic tensor name: router} of a calibrator's {layer or name: router}."""
     return {job.name: fitted[job.name if job.name in fitted else job.layer]
             for job in plan.jobs
             if job.role == "router" and (job.name in fitted or job.layer in fitted)}
+
+
+def calibrated_routers(recipe, plan: Plan, built: Path, cal: Calibration,
+                       stats: dict | None = None) -> dict[str, torch.Tensor]:
+    """{classic tensor name: router} fitted on the model built at `built`."""
+    return router_tensors(plan, calibrated_model(recipe, built, cal, stats)[1])

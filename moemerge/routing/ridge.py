@@ -11,6 +11,7 @@ routing is decisive but not saturated (`decisive_scale`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +117,40 @@ def decisive_scale(logits: torch.Tensor, confidence: float, iterations: int = 60
     for _ in range(iterations):
         mid = (low + high) / 2
         low, high = (mid, high) if top1(10.0 ** mid) < confidence else (low, mid)
+    return 10.0 ** ((low + high) / 2)
+
+
+# `confidence: fit` never scales past this mean top-1 probability: separable rows would push the
+# fitted scale to infinity (one-hot routing, no gradient left for a later fine-tune)
+MAX_FITTED_CONFIDENCE = 0.99
+
+
+def fitted_scale(logits: torch.Tensor, targets: torch.Tensor, iterations: int = 60,
+                 weights: torch.Tensor | None = None) -> float:
+    """c > 0 minimising the cross-entropy of softmax(c · logits) [N, E] against targets [N, E]
+    (rows of probabilities: one-hot domains or soft loss targets): temperature scaling. The loss
+    is convex in c, its derivative Σ_n w_n (E_softmax[z_n] − E_target[z_n]) increasing, so its
+    root is bisected on log c. Bounded to the scales whose mean top-1 probability lies between
+    uniform and MAX_FITTED_CONFIDENCE (a router no better than chance gets the low end).
+    `weights` [N]: rows each row stands for (None: one each)."""
+    z, y = logits.double(), targets.double()
+    if z.shape[-1] < 2 or float((z - z.mean(-1, keepdim=True)).abs().max()) == 0.0:
+        return 1.0
+    w = torch.ones(z.shape[0], dtype=torch.float64) if weights is None else weights.double()
+    target_mean = ((y * z).sum(-1) * w).sum()
+
+    def slope(c: float) -> float:
+        return float(((torch.softmax(c * z, -1) * z).sum(-1) * w).sum() - target_mean)
+
+    high = math.log10(decisive_scale(z, MAX_FITTED_CONFIDENCE, weights=weights))
+    low = high - 12.0
+    if slope(10.0 ** high) <= 0:
+        return 10.0 ** high
+    if slope(10.0 ** low) >= 0:
+        return 10.0 ** low
+    for _ in range(iterations):
+        mid = (low + high) / 2
+        low, high = (mid, high) if slope(10.0 ** mid) < 0 else (low, mid)
     return 10.0 ** ((low + high) / 2)
 
 

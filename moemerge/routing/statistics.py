@@ -8,7 +8,9 @@ XᵀY_c = XᵀY C and ‖Y_c‖² = tr(C YᵀY C): stored uncentred, they stay v
 row's target for a new expert is 0, a zero column appended) and are re-centred for the new E.
 The decisive scale (ridge.decisive_scale) needs the rows' logits under the new W, which no
 moment gives: up to SAMPLE_ROWS router inputs [S, H] fp32 are kept (all of them when there are
-no more; else evenly spread, each standing for `sample_weight` rows).
+no more; else evenly spread, each standing for `sample_weight` rows), with their targets [S, E]
+(a fitted scale, `confidence: fit`, is fitted to them; files from before they were kept lack
+them).
 Size per layer: 2·H²·8 bytes for the Grams (64 MiB at H = 2048) plus the sample.
 """
 
@@ -23,6 +25,7 @@ from safetensors import safe_open
 from moemerge.routing.ridge import (
     NormalEquations,
     decisive_scale,
+    fitted_scale,
     normal_equations,
     solve_equations,
 )
@@ -70,6 +73,7 @@ class LayerStatistics:
     held_out: Moments
     sample: torch.Tensor  # [S, H] fp32 router inputs, for the scale
     sample_weight: torch.Tensor  # [S] rows each sample row stands for
+    sample_targets: torch.Tensor | None  # [S, E] their targets (None: an older file)
 
     @property
     def experts(self) -> int:
@@ -79,16 +83,23 @@ class LayerStatistics:
         """Both sets of rows (same expert count), the sample thinned to SAMPLE_ROWS."""
         sample = torch.cat([self.sample, other.sample])
         weight = torch.cat([self.sample_weight, other.sample_weight])
+        targets = None
+        if self.sample_targets is not None and other.sample_targets is not None:
+            targets = torch.cat([self.sample_targets, other.sample_targets])
         if sample.shape[0] > SAMPLE_ROWS:
             keep = evenly_spread(sample.shape[0], SAMPLE_ROWS)
             weight = weight[keep] * (weight.sum() / weight[keep].sum())
             sample = sample[keep]
+            targets = None if targets is None else targets[keep]
         return LayerStatistics(self.fit + other.fit, self.held_out + other.held_out,
-                               sample, weight)
+                               sample, weight, targets)
 
     def padded(self, experts: int) -> LayerStatistics:
+        targets = self.sample_targets
+        if targets is not None:
+            targets = torch.nn.functional.pad(targets, (0, experts - targets.shape[1]))
         return LayerStatistics(self.fit.padded(experts), self.held_out.padded(experts),
-                               self.sample, self.sample_weight)
+                               self.sample, self.sample_weight, targets)
 
 
 def evenly_spread(n: int, count: int) -> torch.Tensor:
@@ -99,27 +110,38 @@ def layer_statistics(x: torch.Tensor, y: torch.Tensor, held_out: torch.Tensor
                      ) -> LayerStatistics:
     """x [N, H] router inputs, y [N, E] uncentred targets, held_out [N] bool."""
     keep = evenly_spread(x.shape[0], SAMPLE_ROWS) if x.shape[0] > SAMPLE_ROWS else None
-    sample = x if keep is None else x[keep]
+    sample, targets = (x, y) if keep is None else (x[keep], y[keep])
     weight = torch.full((sample.shape[0],), x.shape[0] / sample.shape[0], dtype=torch.float64)
     return LayerStatistics(Moments.of(x[~held_out], y[~held_out]),
-                           Moments.of(x[held_out], y[held_out]), sample.float().clone(), weight)
+                           Moments.of(x[held_out], y[held_out]), sample.float().clone(), weight,
+                           targets.float().clone())
 
 
-def refit(stats: LayerStatistics, confidence: float) -> torch.Tensor:
-    """The router [E, H] fp32 ridge.fit_router and calibrate._solve give on the same rows."""
+def refit(stats: LayerStatistics, confidence: float | str) -> torch.Tensor:
+    """The router [E, H] fp32 ridge.fit_router and calibrate._solve give on the same rows (with
+    `confidence: fit`, the scale fitted to the kept sample's targets through the refitted W:
+    the build fits it on held-out windows through a W fitted without them, so the two differ
+    slightly)."""
     both = stats.fit.count and stats.held_out.count
     fit = stats.fit.centred() if both else (stats.fit + stats.held_out).centred()
     w, _ = solve_equations(fit, stats.held_out.centred() if both else None)
     whole = bool((stats.sample_weight == 1).all())  # every row kept: the build's exact mean
-    scale = decisive_scale(stats.sample.double() @ w.T, confidence,
-                           weights=None if whole else stats.sample_weight)
-    return (w * scale).float()
+    weights = None if whole else stats.sample_weight
+    logits = stats.sample.double() @ w.T
+    if confidence != "fit":
+        return (w * decisive_scale(logits, confidence, weights=weights)).float()
+    if stats.sample_targets is None:
+        raise ValueError("calibration.confidence: fit needs the targets of the kept router "
+                         "inputs, which this statistics file (from an older moemerge) lacks; "
+                         "rebuild the model, or extend it with a number for the confidence")
+    return (w * fitted_scale(logits, stats.sample_targets, weights=weights)).float()
 
 
 def save_statistics(path: Path, layers: dict[int, LayerStatistics], windows: int) -> None:
     """One safetensors file: `layers.{l}.{fit|held_out}.{gram|cross|targets|count}`,
-    `layers.{l}.sample`, `layers.{l}.sample_weight`, and `windows` (calibration windows seen:
-    new windows are numbered after them, so the same ones are held out as in a rebuild)."""
+    `layers.{l}.sample`, `.sample_weight`, `.sample_targets`, and `windows` (calibration
+    windows seen: new windows are numbered after them, so the same ones are held out as in a
+    rebuild)."""
     from safetensors.torch import save_file
 
     tensors = {"windows": torch.tensor([windows])}
@@ -132,6 +154,8 @@ def save_statistics(path: Path, layers: dict[int, LayerStatistics], windows: int
                             f"{prefix}.count": torch.tensor([m.count])})
         tensors[f"layers.{layer}.sample"] = stats.sample.contiguous()
         tensors[f"layers.{layer}.sample_weight"] = stats.sample_weight
+        if stats.sample_targets is not None:
+            tensors[f"layers.{layer}.sample_targets"] = stats.sample_targets.contiguous()
     save_file(tensors, str(path), metadata={"format": FORMAT})
 
 
@@ -151,7 +175,9 @@ def load_statistics(path: Path) -> tuple[dict[int, LayerStatistics], int]:
     return ({layer: LayerStatistics(moments(f"layers.{layer}.fit"),
                                     moments(f"layers.{layer}.held_out"),
                                     t[f"layers.{layer}.sample"],
-                                    t[f"layers.{layer}.sample_weight"]) for layer in layers},
+                                    t[f"layers.{layer}.sample_weight"],
+                                    t.get(f"layers.{layer}.sample_targets"))
+             for layer in layers},
             int(t["windows"][0]))
 
 

@@ -5,6 +5,11 @@
 - `math`:  worked arithmetic / algebra problems in English, generated from a seeded RNG.
 - `cpp`:   C++ headers under torch/include, when torch is installed (not a default domain).
 
+The held-out domains, which no default was chosen on (benchmarks/quality/heldout.py):
+- `stubs`:    type stubs (.pyi) of the installed packages (numpy, torch...): signatures, no bodies.
+- `markdown`: the long descriptions (READMEs) in the installed packages' METADATA files.
+- `tests`:    the stdlib's own unit tests (Lib/test), which `code` leaves out.
+
 Train and eval text come from disjoint documents: a document (a source file, a pydoc topic) goes
 to eval when a stable hash of its name says so, so the split never depends on what else exists.
 """
@@ -24,7 +29,8 @@ from functools import cache
 from pathlib import Path
 
 DOMAINS = ("code", "prose", "math")
-KNOWN_DOMAINS = ("code", "prose", "math", "cpp")
+KNOWN_DOMAINS = ("code", "prose", "math", "cpp", "stubs", "markdown", "tests")
+HELD_OUT_DOMAINS = ("stubs", "markdown", "tests")
 SPLITS = ("train", "eval")
 EVAL_PERCENT = 10  # share of documents held out for eval
 MAX_DOC_CHARS = 20_000  # cap one document's share so a few huge files cannot dominate a domain
@@ -44,6 +50,32 @@ def stdlib_files() -> tuple[Path, ...]:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = (p for p in root.rglob("*.py") if not _SKIP_DIRS & set(p.relative_to(root).parts))
     return tuple(sorted(files))
+
+
+@cache
+def stdlib_test_files() -> tuple[Path, ...]:
+    """Sorted .py files of the stdlib's test package (Lib/test), its own data files left out."""
+    root = Path(sysconfig.get_paths()["stdlib"]) / "test"
+    return tuple(sorted(p for p in root.rglob("test_*.py"))) if root.is_dir() else ()
+
+
+def _site_packages() -> list[Path]:
+    return sorted({Path(p) for p in sysconfig.get_paths().values()
+                   if Path(p).name == "site-packages" and Path(p).is_dir()})
+
+
+def _stub_files() -> list[str]:
+    return sorted(str(p) for root in _site_packages() for p in root.rglob("*.pyi"))
+
+
+def _metadata_files() -> list[str]:
+    return sorted(str(p) for root in _site_packages() for p in root.glob("*.dist-info/METADATA"))
+
+
+def _readme(path: str) -> str:
+    """The long description of a METADATA file: what follows its header block."""
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    return text.partition("\n\n")[2].strip()
 
 
 def _parse(path: Path) -> ast.Module | None:
@@ -122,6 +154,12 @@ def _documents(domain: str) -> tuple[list[str], Callable[[str], str]]:
         return keys, _prose_doc
     if domain == "cpp":
         return _cpp_files(), _cpp_doc
+    if domain == "stubs":
+        return _stub_files(), lambda k: Path(k).read_text(encoding="utf-8", errors="replace")
+    if domain == "markdown":
+        return _metadata_files(), _readme
+    if domain == "tests":
+        return [str(p) for p in stdlib_test_files()], lambda k: _code_doc(Path(k))
     raise AssertionError(domain)
 
 

@@ -16,7 +16,7 @@ from moemerge.bounds import MAX_BATCH_SIZE, MAX_SEQ_LEN
 from moemerge.errors import RecipeError
 from moemerge.recipe.load import safe_yaml
 
-Part = Literal["routers", "projectors", "curvature", "all"]
+Part = Literal["routers", "experts", "projectors", "curvature", "all"]
 # finetune's step budget when neither --steps nor --epochs is given (was one epoch: 526 steps,
 # 5 min on the toy MoE's 1 MB per domain, for a 0.3 % perplexity gain). On recipes/toy_moe.yaml
 # (calibrated routers) 200 router-only steps give 48.91 -> 48.82 in 34 s, 300 give 48.79 (README)
@@ -33,8 +33,9 @@ class TrainConfig(BaseModel):
     data: list[str] = Field(min_length=1, description="Training text: a file, directory, JSONL, "
                             "saved or hub dataset, or name=path (docs/data.md); repeat.")
     train: list[Part] = Field(default=["routers"], min_length=1, description="What to train, "
-                              "comma-separated: routers (the default), projectors, "
-                              "curvature, or all.")
+                              "comma-separated: routers (the default), experts (the "
+                              "routed experts' FFNs: with routers, BTX's post-merge training), "
+                              "projectors, curvature, or all.")
     seq_len: int = Field(default=256, ge=2, le=MAX_SEQ_LEN, description="Tokens per block.")
     eval_fraction: float = Field(default=0.1, ge=0.0, lt=1.0, description="Held-out share of "
                                  "each domain's blocks (a domain without held-out files).")

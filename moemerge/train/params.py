@@ -15,6 +15,10 @@ routing compute their scores, nothing in them trains). "projectors" = every `pro
 Merged experts (config model_type "moemerge_merged", CAMEx): every FFN has its own `router`
 next to its `experts`; "routers" = those, "curvature" = every `curvature` module (the Kronecker
 factors), present when the model was built with curvature.
+
+"experts" = every module named `experts` (a token-routed block's experts, fused or not; the
+merged kind's FFN stacks; seq_routed's whole expert models), and GraniteMoE's input_linear /
+output_linear: with "routers", Branch-Train-MiX's post-merge training of the routed parts.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ PROJECTOR_NAMES = ("proj_in", "proj_out")
 # transformers' Mixtral, Qwen-MoE, OLMoE, GraniteMoE, FlexOlmo; moemerge's DeepSeek-MoE
 BALANCE_KEYS = ("router_aux_loss_coef", "aux_loss_alpha")
 PART_MODULES = {  # part: (module names, which models have them)
+    # the routed experts: token-routed blocks' `experts` (transformers 4's GraniteMoE: its
+    # input_linear / output_linear), merged_experts' FFN stacks, seq_routed's expert models
+    "experts": (("experts", "input_linear", "output_linear"), "MoEs with routed experts"),
     "projectors": (PROJECTOR_NAMES, "only the projector-bridged MoE kind has them"),
     "curvature": (("curvature",), "only merged-experts models built with curvature have it"),
 }

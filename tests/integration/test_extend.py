@@ -113,10 +113,32 @@ def test_without_the_old_statistics_the_comparison_fails(grown):
         *(type(whole.fit)(a.gram - b.gram, a.cross - b.cross, a.targets - b.targets,
                           a.count - b.count)
           for a, b in ((whole.fit, before.fit), (whole.held_out, before.held_out))),
-        whole.sample[before.sample.shape[0]:], whole.sample_weight[before.sample.shape[0]:])
+        whole.sample[before.sample.shape[0]:], whole.sample_weight[before.sample.shape[0]:],
+        whole.sample_targets[before.sample.shape[0]:])
     router = tensors(rebuilt)[ROUTER.format(0)]
     assert relative(refit(whole, 0.8), router) <= 1e-6  # the check itself can pass
     assert relative(refit(new_only, 0.8), router) > 0.1
+
+
+def test_a_fitted_scale_is_refitted_on_the_kept_rows_targets(grown):
+    """confidence: fit in a refit: the router of 0.8 rescaled, by the scale whose softmax best
+    predicts the kept sample's targets (a tenth more or less predicts them worse); a file
+    without the sample's targets (older moemerge) is refused, naming what to do."""
+    from dataclasses import replace
+
+    _, _, _, rebuilt, _, _ = grown
+    whole = load_statistics(rebuilt / STATS_FILE)[0][0]
+    fixed, fitted = refit(whole, 0.8).double(), refit(whole, "fit").double()
+    ratio = float((fixed * fitted).sum() / (fixed * fixed).sum())
+    assert relative(fitted, ratio * fixed) <= 1e-6 and abs(ratio - 1) > 1e-3
+
+    def cross_entropy(router):
+        logits = whole.sample.double() @ router.T
+        return float(-(whole.sample_targets.double() * logits.log_softmax(-1)).sum(-1).mean())
+
+    assert cross_entropy(fitted) < min(cross_entropy(1.1 * fitted), cross_entropy(0.9 * fitted))
+    with pytest.raises(ValueError, match="older moemerge"):
+        refit(replace(whole, sample_targets=None), "fit")
 
 
 def extend_args(root, moe, out, *extra) -> list[str]:

@@ -38,13 +38,74 @@ def planted(model_factory, tmp_path_factory):
     return root, base, experts, held_out
 
 
-def recipe_for(planted, assembly: str, extra: str, data: str = "[letters.txt, digits.txt]"):
+def recipe_for(planted, assembly: str, extra: str, data: str = "[letters.txt, digits.txt]",
+               calibration: str = "", name: str = ""):
     """`name=path` is implied by the file stems, which are the experts' names."""
     root, base, experts, _ = planted
     lines = ["kind: moe", f"assembly: {assembly}", f"base_model: {base}", "experts:",
              *(f"  - {{model: {path}, name: {d}}}" for d, path in experts.items()), extra,
-             f"calibration: {{data: {data}, max_tokens: 2048, seq_len: 32}}"]
-    return write_recipe(root / f"{assembly}.yaml", "\n".join(lines) + "\n")
+             f"calibration: {{data: {data}, max_tokens: 2048, seq_len: 32{calibration}}}"]
+    return write_recipe(root / f"{name or assembly}.yaml", "\n".join(lines) + "\n")
+
+
+def routers_of(model_dir) -> list[torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors = {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in
+               load_file(f).items()}
+    return [tensors[k].double() for k in sorted(tensors) if k.endswith("gate.weight")]
+
+
+def test_a_fitted_scale_rescales_each_router_and_nothing_else(planted):
+    """confidence: fit against 0.8 at top-1 (renormalised: a router's scale changes no layer's
+    output, so every layer's inputs, and each router's direction, are the same in both): each
+    router is the other's times one number, which is not 1; on the planted (separable) domains
+    the fitted scale is the decisive one, near the cap."""
+    root = planted[0]
+    fixed, fitted = root / "scale-0.8", root / "scale-fit"
+    common = "experts_per_token: 1\nrouter: {init: calibrate}"
+    build(recipe_for(planted, "token_routed", common, name="fixed"), fixed, progress=False,
+          force=True)
+    build(recipe_for(planted, "token_routed", common, calibration=", confidence: fit",
+                     name="fitted"), fitted, progress=False, force=True)
+    for a, b in zip(routers_of(fixed), routers_of(fitted), strict=True):
+        ratio = float((a * b).sum() / (a * a).sum())
+        assert (b - ratio * a).abs().max() <= 1e-5 * b.abs().max()
+        assert ratio > 1.5  # separable domains: more decisive than 0.8
+
+
+def test_auto_experts_per_token_is_chosen_written_and_rebuilds_the_same(planted):
+    """experts_per_token: auto: the config, the recipe copy and the card say the chosen k; a
+    build from the recipe copy gives the same bytes; --dry-run says it will be chosen."""
+    from typer.testing import CliRunner
+
+    from moemerge.cli import app
+    from moemerge.io.atomic import RECIPE_COPY
+
+    root = planted[0]
+    recipe = recipe_for(planted, "token_routed", "experts_per_token: auto\n"
+                        "router: {init: calibrate}", calibration=", confidence: fit", name="auto")
+    dry = CliRunner().invoke(app, ["build", str(recipe), "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert "experts_per_token: auto: the smallest k in 1..2" in " ".join(dry.output.split())
+    build(recipe, root / "auto", progress=False, force=True)
+    copy = (root / "auto" / RECIPE_COPY).read_text()
+    k = json.loads((root / "auto" / "config.json").read_text())["num_experts_per_tok"]
+    assert copy.startswith(f"# experts_per_token: auto chose {k} ")
+    assert f"experts_per_token: {k}\n" in copy
+    assert f"{k} per token" in (root / "auto" / "README.md").read_text()
+    rebuilt = root / "auto-rebuilt"
+    build(write_recipe(root / "auto-copy.yaml", copy), rebuilt, progress=False, force=True)
+    for file in sorted((root / "auto").glob("*.safetensors")):
+        assert (rebuilt / file.name).read_bytes() == file.read_bytes()
+
+
+def test_auto_experts_per_token_needs_calibrated_routers(planted):
+    recipe = recipe_for(planted, "token_routed", "experts_per_token: auto\n"
+                        "router: {init: random}", name="auto-random")
+    recipe.write_text(recipe.read_text().replace("calibration:", "# calibration:"))
+    with pytest.raises(RecipeError, match=r"experts_per_token: 'auto' .* router\.init: calibrate"):
+        build(recipe, planted[0] / "refused-auto", progress=False)
 
 
 @pytest.mark.parametrize("assembly, extra", [

@@ -6,10 +6,12 @@ import torch
 
 from moemerge.routing.calibrate import domain_targets, loss_targets
 from moemerge.routing.ridge import (
+    MAX_FITTED_CONFIDENCE,
     RELATIVE_LAMBDAS,
     centre,
     decisive_scale,
     fit_router,
+    fitted_scale,
     normal_equations,
     ridge_solution,
     squared_error,
@@ -64,6 +66,65 @@ def test_decisive_scale_reaches_the_mean_top1_probability(confidence):
     c = decisive_scale(logits, confidence)
     top1 = torch.softmax(c * logits.double(), -1).amax(-1).mean()
     assert float(top1) == pytest.approx(confidence, abs=1e-6)
+
+
+def cross_entropy(c: float, logits: torch.Tensor, targets: torch.Tensor) -> float:
+    """The plain reference: mean −Σ_e y_e log softmax(c z)_e."""
+    return float(-(targets.double() * torch.log_softmax(c * logits.double(), -1)).sum(-1).mean())
+
+
+@pytest.mark.parametrize("true_scale", [0.3, 1.0, 4.0])
+def test_fitted_scale_recovers_the_scale_that_made_soft_targets(true_scale):
+    """Targets softmax(c* z): the cross-entropy is least at c = c* (Gibbs), so the fit must
+    find c* whatever it is."""
+    logits = torch.randn(400, 4, generator=torch.Generator().manual_seed(1))
+    targets = torch.softmax(true_scale * logits.double(), -1)
+    assert fitted_scale(logits, targets) == pytest.approx(true_scale, rel=1e-6)
+
+
+def test_fitted_scale_is_the_cross_entropy_minimum_of_a_plain_grid_search():
+    """Noisy one-hot targets (each row's argmax logit right 70 % of the time): the fitted
+    scale's cross-entropy is the least of a fine grid, and the grid's neighbours are worse
+    (the comparison can fail)."""
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(600, 3, generator=gen)
+    right = torch.rand(600, generator=gen) < 0.7
+    label = torch.where(right, logits.argmax(-1), torch.randint(0, 3, (600,), generator=gen))
+    targets = torch.nn.functional.one_hot(label, 3).double()
+    c = fitted_scale(logits, targets)
+    grid = [10 ** (p / 200) for p in range(-400, 401)]
+    best = min(grid, key=lambda g: cross_entropy(g, logits, targets))
+    assert c == pytest.approx(best, rel=0.02)
+    assert cross_entropy(c, logits, targets) <= cross_entropy(best, logits, targets) + 1e-9
+    assert cross_entropy(2 * c, logits, targets) > cross_entropy(c, logits, targets) + 1e-3
+    assert cross_entropy(c / 2, logits, targets) > cross_entropy(c, logits, targets) + 1e-3
+
+
+def test_fitted_scale_is_bounded_for_separable_and_useless_rows():
+    """Rows whose targets are always the top logit would take c to infinity: capped where the
+    mean top-1 probability is MAX_FITTED_CONFIDENCE. Targets that oppose the logits: the low
+    end, near-uniform routing."""
+    logits = torch.randn(300, 4, generator=torch.Generator().manual_seed(4))
+    right = torch.nn.functional.one_hot(logits.argmax(-1), 4).double()
+    c = fitted_scale(logits, right)
+    top1 = float(torch.softmax(c * logits.double(), -1).amax(-1).mean())
+    assert top1 == pytest.approx(MAX_FITTED_CONFIDENCE, abs=1e-6)
+    wrong = torch.nn.functional.one_hot(logits.argmin(-1), 4).double()
+    c = fitted_scale(logits, wrong)
+    assert float(torch.softmax(c * logits.double(), -1).amax(-1).mean()) < 0.26
+
+
+def test_fitted_scale_weights_rows_as_repeats():
+    """weights [N] stand for repeated rows: the same fit as the rows repeated."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(50, 3, generator=gen)
+    targets = torch.softmax(torch.randn(50, 3, generator=gen).double(), -1)
+    repeats = torch.randint(1, 4, (50,), generator=gen)
+    weighted = fitted_scale(logits, targets, weights=repeats.double())
+    repeated = fitted_scale(logits.repeat_interleave(repeats, 0),
+                            targets.repeat_interleave(repeats, 0))
+    assert weighted == pytest.approx(repeated, rel=1e-9)
+    assert fitted_scale(logits, targets) != pytest.approx(repeated, rel=1e-3)
 
 
 def test_targets():

@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from moemerge.toy.corpora import (
     DOMAINS,
+    HELD_OUT_DOMAINS,
     SEPARATOR,
     domain_text,
     domain_texts,
@@ -20,7 +21,7 @@ from moemerge.toy.corpora import (
 from moemerge.toy.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
 
 
-@pytest.mark.parametrize("domain", DOMAINS)
+@pytest.mark.parametrize("domain", DOMAINS + HELD_OUT_DOMAINS)
 def test_domain_text_is_deterministic_and_sized(domain):
     first = domain_text(domain, 20_000, seed=3)
     assert first == domain_text(domain, 20_000, seed=3)
@@ -28,7 +29,7 @@ def test_domain_text_is_deterministic_and_sized(domain):
     assert domain_text(domain, 20_000, seed=4) != first
 
 
-@pytest.mark.parametrize("domain", DOMAINS)
+@pytest.mark.parametrize("domain", DOMAINS + HELD_OUT_DOMAINS)
 def test_train_and_eval_text_differ(domain):
     train, held_out = domain_texts(domain, 20_000, 5_000)
     assert held_out and held_out[:2000] not in train
@@ -51,6 +52,17 @@ def test_code_has_no_docstrings_or_comments():
     # a string literal as the first statement of a module, class or function is a docstring
     assert not re.search(r"(def|class) [^\n]*:\n\s+[rbuRBU]?['\"]", code)
     assert not any(doc.lstrip().startswith(("'", '"')) for doc in code.split(SEPARATOR))
+
+
+def test_the_held_out_domains_are_what_they_say():
+    """Stubs declare without bodies; markdown is READMEs, not METADATA headers; tests are the
+    stdlib's unit tests, none of which the code domain holds."""
+    stubs = domain_text("stubs", 50_000)
+    assert stubs.count("def ") > 100 and stubs.count(": ...") + stubs.count("-> ") > 100
+    markdown = domain_text("markdown", 50_000)
+    assert markdown.count("\n#") > 10 and "Metadata-Version:" not in markdown
+    tests = domain_text("tests", 50_000)
+    assert tests.count("self.assert") > 50 and tests[:3000] not in domain_text("code", 10**6)
 
 
 def test_prose_is_docstrings():
