@@ -80,7 +80,7 @@ def compute(job: Job, load: Load, make_router: MakeRouter | None, seed: int,
         def load(source: Source) -> torch.Tensor:
             return aligned[source.model]
 
-    match job.kind:  # every JobKind, or the type checker and assert_never say which is not
+    match job.operation:  # every Operation, or the type checker and assert_never say which not
         case "copy":
             out = load(job.sources[0])
         case "zeros":
@@ -155,7 +155,7 @@ def take(source: Source, read: Read) -> torch.Tensor:
 
 def byte_copy(job: Job, stored: Stored | None) -> TensorMeta | None:
     """The stored tensor a copy job passes through unchanged, if its bytes are the output's."""
-    if job.kind != "copy" or stored is None or job.vocab is not None:
+    if job.operation != "copy" or stored is None or job.vocab is not None:
         return None
     source = job.sources[0]
     if source.rows is not None or source.change is not None:

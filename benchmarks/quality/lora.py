@@ -48,11 +48,13 @@ LABELS = {
     "control": "dense control: base + one adapter on all 4 domains",
     "merge": "dense average of the 4 base+adapter models",
     "token_moe": "token_routed MoE of the adapters merged into dense experts",
+    "token_moe_auto": "the same, experts_per_token: auto, confidence: fit",
     "token_lora_experts": "lora_experts MoE (the base once, the adapters routed)",
+    "token_lora_experts_fit": "the same, confidence: fit",
 }
 # rows left out, not failing the run, when their build (or routing report) fails: the
 # assembly is newer than the others
-OPTIONAL = {"token_lora_experts"}
+OPTIONAL = {"token_lora_experts", "token_lora_experts_fit", "token_moe_auto"}
 
 
 def recipes(ls, k: int, tokens: int) -> dict[str, list[str]]:
@@ -62,13 +64,19 @@ def recipes(ls, k: int, tokens: int) -> dict[str, list[str]]:
     models = ", ".join(f"{{model: {ls.base}, lora: {a}}}" for a in ls.adapters.values())
     routed = [f"experts_per_token: {k}", *experts, "router: {init: calibrate}",
               calibration(ls, 128, tokens)]
+    fitted = calibration(ls, 128, tokens).replace("}", ", confidence: fit}")
     return {
         "merge": ["kind: merge", "seed: 0", f"base_model: {ls.base}", f"models: [{models}]",
                   "merge: {method: average}"],
         "token_moe": ["kind: moe", "seed: 0", f"base_model: {ls.base}",
                       "merge: {method: average}", *routed],
+        "token_moe_auto": ["kind: moe", "seed: 0", f"base_model: {ls.base}",
+                           "merge: {method: average}", "experts_per_token: auto", *experts,
+                           "router: {init: calibrate}", fitted],
         "token_lora_experts": ["kind: moe", "assembly: lora_experts", "seed: 0",
                                f"base_model: {ls.base}", *routed],
+        "token_lora_experts_fit": ["kind: moe", "assembly: lora_experts", "seed: 0",
+                                   f"base_model: {ls.base}", *routed[:-1], fitted],
     }
 
 
@@ -145,6 +153,11 @@ def main() -> None:
         add(f"adapter:{d}", f"base + {d} adapter", with_adapter(ls.base, adapter),
             size=base_size, adapter_size=size_bytes(adapter))
         gc.collect()
+    own = {d: next(r for r in rows if r["key"] == f"adapter:{d}")["perplexity"][d]
+           for d in ls.adapters}  # the oracle: each domain's text through its own adapter
+    rows.append({"key": "oracle", "model": "oracle: each domain through its own adapter",
+                 "perplexity": own, "mean": sum(own.values()) / len(own),
+                 "geo_mean": geo_mean(own.values()), "own_share": None, "size": base_size})
     add("control", LABELS["control"], with_adapter(ls.base, control / "adapter"),
         size=base_size, adapter_size=size_bytes(control / "adapter"))
     gc.collect()
@@ -165,12 +178,15 @@ def main() -> None:
                       + "".join(traceback.format_exception_only(exc)), flush=True)
                 continue
             seconds = time.perf_counter() - start
+            config = json.loads((out / "config.json").read_text())
+            k = config.get("num_experts_per_tok", config.get("experts_per_token"))
             add(key, LABELS[key], out, size=size_bytes(out), build_s=round(seconds, 1),
-                recipe=lines)
+                recipe=lines, experts_per_token=k)
             gc.collect()
     by_key = {r["key"]: r for r in rows}
     for r in rows:
         r["vs_control_pct"] = 100 * (r["geo_mean"] / by_key["control"]["geo_mean"] - 1)
+        r["vs_oracle_pct"] = 100 * (r["geo_mean"] / by_key["oracle"]["geo_mean"] - 1)
     spec = ls.spec
     result = {
         "provenance": provenance(), "set": str(ls.root), "spec": ls.record["spec"],
@@ -200,18 +216,18 @@ def mib(n: int) -> str:
 def markdown(result: dict, args) -> str:
     rows, t = result["rows"], result["training"]
     domains = list(rows[0]["perplexity"])
-    head = ("| model | " + " | ".join(domains) + " | mean | geo mean | vs control | "
+    head = ("| model | " + " | ".join(domains) + " | mean | geo mean | vs oracle | vs control | "
             "on disk (MiB) | build s | own-expert share |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         p = r["perplexity"]
         size = (f"{mib(r['size'])} + {mib(r['adapter_size'])}" if "adapter_size" in r
-                else mib(r["size"]))
+                else mib(r["size"]) if r["key"] != "oracle" else "–")
         own = (", ".join(f"{d} {v:.2f}" for d, v in r["own_share"].items())
                if r.get("own_share") else "–")
         lines.append(f"| {r['model']} | " + " | ".join(f"{p[d]:.2f}" for d in domains)
                      + f" | {r['mean']:.3f} | {r['geo_mean']:.3f} | "
-                     f"{r['vs_control_pct']:+.1f} % | {size} | "
+                     f"{r['vs_oracle_pct']:+.1f} % | {r['vs_control_pct']:+.1f} % | {size} | "
                      + (f"{r['build_s']:.1f}" if "build_s" in r else "–") + f" | {own} |")
     spec = result["spec"]
     seconds = ", ".join(f"{d} {s:.0f} s" for d, s in t["adapter_seconds"].items())
@@ -235,13 +251,16 @@ def markdown(result: dict, args) -> str:
         "dtype) loaded in float32.\n\n"
         f"Test perplexity per domain ({result['test_tokens']} test tokens per domain, "
         f"{result['prompt_tokens']}-token prompt, as benchmarks/quality/run.py scores), its "
-        "mean and geometric mean; vs control: the geometric mean against the control's. "
+        "mean and geometric mean; vs oracle / vs control: the geometric mean against the "
+        "oracle's (each domain through its own adapter) / the control's. "
         "On disk: the checkpoint directory (adapter rows: the base + the adapter). Build s: "
         "`moemerge.api.build` in process, its load check included. MoE routers: "
         f"`router.init: calibrate` on the adapters' training text, "
         f"{result['calibration_tokens']} tokens per domain; top-"
         f"{result['experts_per_token']}. Own-expert share: the share of each domain's tokens "
-        f"whose top-{result['experts_per_token']} holds its own expert."
+        f"whose top-{result['experts_per_token']} holds its own expert (rows with "
+        "`experts_per_token: auto`: its chosen k; `confidence: fit`: each router's scale fitted "
+        "on held-out calibration windows, docs/routing.md)."
         f"{skipped}\n\n" + "\n".join(lines) + "\n")
 
 

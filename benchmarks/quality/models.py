@@ -42,10 +42,12 @@ def _experts(paths: dict[str, Path], prompts: bool = False) -> list[str]:
     return lines
 
 
-def calibration(ts, seq_len: int, tokens: int) -> str:
-    """router.init: calibrate's block: each domain's training text, named after its expert."""
+def calibration(ts, seq_len: int, tokens: int, **fields) -> str:
+    """router.init: calibrate's block: each domain's training text, named after its expert;
+    `fields` adds more calibration fields (e.g. confidence="fit", targets="loss")."""
     data = ", ".join(f"{d}={p}" for d, p in ts.train_text.items())
-    return f"calibration: {{data: [{data}], max_tokens: {tokens}, seq_len: {seq_len}}}"
+    more = "".join(f", {k}: {v}" for k, v in fields.items())
+    return f"calibration: {{data: [{data}], max_tokens: {tokens}, seq_len: {seq_len}{more}}}"
 
 
 def recipes(ts, seed: int, prompt: int, tokens: int = 8192) -> dict[str, list[str]]:
@@ -65,7 +67,10 @@ def recipes(ts, seed: int, prompt: int, tokens: int = 8192) -> dict[str, list[st
         "dense_ties": [*dense, f"merge: {TIES}"],
         "dense_dare": [*dense, f"merge: {DARE}"],
         "token_random": [*token, *_experts(ts.experts), "router: {init: random}"],
-        "token_prompts": [*token, *_experts(ts.experts, prompts=True), "router: {init: prompts}"],
+        # only where every domain has PROMPTS (heldout.py's new domains have none)
+        **({"token_prompts": [*token, *_experts(ts.experts, prompts=True),
+                              "router: {init: prompts}"]} if set(ts.experts) <= set(PROMPTS)
+           else {}),
         "token_cal": [*token, *_experts(ts.experts), "router: {init: calibrate}",
                       calibration(ts, 128, tokens)],
         # the shared (non-FFN) tensors by TIES, λ / density tuned on the MoE itself

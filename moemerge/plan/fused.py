@@ -86,7 +86,7 @@ def split_fused(job: Job, role: TensorRole, config: dict) -> Job:
     TIES trims, DARE draws and SLERP angles are per part, as for an unfused family's q, k, v);
     any other job unchanged."""
     parts = fused_parts(role, config)
-    if job.kind != "merge" or not parts:
+    if job.operation != "merge" or not parts:
         return job
 
     def part(name: str, rows: tuple[int, int]) -> Job:

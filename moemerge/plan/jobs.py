@@ -11,7 +11,7 @@ from typing_extensions import assert_never  # typing from 3.11
 
 from moemerge.plan.params import ResolvedMerge
 
-JobKind = Literal["copy", "merge", "router", "zeros", "identity", "random", "lstsq", "fuse"]
+Operation = Literal["copy", "merge", "router", "zeros", "identity", "random", "lstsq", "fuse"]
 
 
 class Change(Protocol):
@@ -65,7 +65,7 @@ class Job:
     output: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    kind: JobKind
+    operation: Operation
     role: str
     layer: int | None = None
     sources: tuple[Source, ...] = ()
@@ -130,7 +130,7 @@ class Plan:
             change = f" as {s.change.describe()}" if s.change is not None else ""
             return f"{self.labels[s.model]}:{s.tensor}{made(s)}{change}"
 
-        match job.kind:  # every JobKind (assert_never: a new one must say what it does)
+        match job.operation:  # every Operation (assert_never: a new one must say what it does)
             case "copy":
                 how = f"copy {src(job.sources[0])}"
             case "merge":
@@ -150,7 +150,7 @@ class Plan:
                 how = (f"fuse {len(job.parts)} × [" + "; ".join(self.describe_job(p) for p in
                                                               job.parts[0]) + ", …]")
             case "zeros" | "identity" | "lstsq":
-                how = job.kind
+                how = job.operation
             case unknown:
                 assert_never(unknown)
         if job.router_init == "calibrate":

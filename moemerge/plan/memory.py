@@ -31,9 +31,9 @@ class Estimate:
 
 def working_set(job: Job) -> int:
     """The merge's own float32 working set beyond its inputs and output."""
-    if job.kind == "fuse":  # its parts are computed one after another
+    if job.operation == "fuse":  # its parts are computed one after another
         return max(working_set(part) for group in job.parts for part in group)
-    if job.kind != "merge" or job.merge is None:
+    if job.operation != "merge" or job.merge is None:
         return 0
     n = len(job.inputs)
     numel = job.nbytes // job.dtype.itemsize

@@ -45,6 +45,7 @@ def tuning_json(result: TuneResult, opts: TuneOptions) -> str:
         "baseline_perplexity": result.baseline, "tuned_perplexity": result.tuned,
         "chosen": {r: {"lambda": lam, "density": d} for r, (lam, d) in result.chosen.items()},
         "candidates": [vars(c) for c in result.candidates], "stopped": result.stopped,
+        "unchanged_roles": list(result.unchanged),
     }, indent=2) + "\n"
 
 
@@ -58,7 +59,9 @@ def tuning_table(result: TuneResult) -> Fitted:
         rows.append([f"[bold green]{x}[/]" if picked else x for x in cells])
     columns = [Column("role", "left", key=True), Column("lambda"), Column("density"),
                Column("perplexity")]
-    note = f" ({result.stopped})" if result.stopped else ""
+    notes = ([result.stopped] if result.stopped else []) + (
+        [f"not tuned, no task vector: {', '.join(result.unchanged)}"] if result.unchanged else [])
+    note = f" ({'; '.join(notes)})" if notes else ""
     return Fitted(columns, rows,
                   title=f"tuning: perplexity {result.baseline:.4f} -> {result.tuned:.4f}{note}")
 

@@ -51,6 +51,9 @@ class TuneResult:
     candidates: list[Candidate]
     chosen: dict[str, tuple[float, float | None]]  # role -> (λ, density); absent = recipe's
     stopped: str | None = None  # why the search ended early (--tune-budget), if it did
+    # roles whose every input equals the base (no task vector: a LoRA adapter on the FFNs
+    # leaves attention, norms and embeddings alone): no value can change them, none scored
+    unchanged: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,7 @@ def check_options(opts: TuneOptions) -> None:
 def merges_of(job: Job) -> list[Job]:
     """The merges a job makes: itself, or each part of a fused tensor (Phi-3's qkv_proj,
     gate_up_proj), which is merged part by part."""
-    return [part for group in job.parts for part in group] if job.kind == "fuse" else [job]
+    return [part for group in job.parts for part in group] if job.operation == "fuse" else [job]
 
 
 def with_values(job: Job, lam: float, density: float | None) -> Job:
@@ -111,13 +114,13 @@ def with_values(job: Job, lam: float, density: float | None) -> Job:
     def one(merge_job: Job) -> Job:
         return replace(merge_job, merge=merge_job.merge.with_values(
             **{"lambda": lam, "density": density}))
-    if job.kind == "fuse":
+    if job.operation == "fuse":
         return replace(job, parts=tuple(tuple(one(p) for p in group) for group in job.parts))
     return one(job)
 
 
 def _tunable(job: Job) -> bool:
-    return all(m.kind == "merge" and m.merge is not None and m.merge.method in TUNABLE_METHODS
+    return all(m.operation == "merge" and m.merge is not None and m.merge.method in TUNABLE_METHODS
                for m in merges_of(job))
 
 
@@ -178,6 +181,15 @@ def search(model, tokenizer, texts: dict[str, str], plan: Plan, load: Load, seed
             m.merge.with_values(**{"lambda": lam, "density": density}).params) is None
             for j in jobs[role] for m in merges_of(j))
 
+    def unchanged(role: str) -> bool:
+        """Every merged input of the role equals its base: the merge is the base whatever
+        λ and density are (base + λ·f(0))."""
+        found = all(m.base is not None
+                    and all(torch.equal(cached(s), cached(m.base)) for s in m.sources)
+                    for j in jobs[role] for m in merges_of(j))
+        cache.clear()
+        return found
+
     def set_role(role: str, lam: float | None, density: float | None) -> None:
         for job in jobs[role]:
             if lam is not None:  # density only where the method has one
@@ -185,6 +197,8 @@ def search(model, tokenizer, texts: dict[str, str], plan: Plan, load: Load, seed
             with torch.no_grad():
                 state[job.output].copy_(compute(job, cached, None, seed))
 
+    still = tuple(role for role in jobs if unchanged(role))
+    jobs = {role: role_jobs for role, role_jobs in jobs.items() if role not in still}
     grid = {role: [(lam, density) for lam in opts.lambdas
                    for density in (opts.densities if _with_density(role_jobs) else (None,))
                    if fits(role, lam, density)]  # e.g. DELLA's density + epsilon >= 1
@@ -226,7 +240,7 @@ def search(model, tokenizer, texts: dict[str, str], plan: Plan, load: Load, seed
         cache.clear()  # only one role's sources in memory at a time
         if stopped:
             break
-    return TuneResult(baseline, best, candidates, chosen, stopped)
+    return TuneResult(baseline, best, candidates, chosen, stopped, still)
 
 
 def _with_density(role_jobs: list[Job]) -> bool:

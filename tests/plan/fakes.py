@@ -183,9 +183,9 @@ def check_plan(plan: Plan, models: list[SourceModel]) -> None:
                 shape = (end - first, *shape[1:])
             if source.change is not None:
                 shape = tuple(source.change.shape(shape))
-            if job.kind == "copy":
+            if job.operation == "copy":
                 assert shape == tuple(job.shape), (job.output, source, shape, job.shape)
-        if job.kind == "fuse":
+        if job.operation == "fuse":
             rows = [sum(p.shape[0] for p in group) for group in job.parts]
             assert set(rows) == {job.shape[-2] if len(job.shape) == 3 else job.shape[0]}, job
         expected = torch.float32 if job.role == "curvature" else plan_dtype(plan)

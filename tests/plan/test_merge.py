@@ -26,10 +26,10 @@ def test_a_merge_is_what_the_family_saves_and_merges_every_tensor(family):
     assert planned_shapes(plan) == saved_shapes(plan.config) == saved_shapes(models[0].config)
     assert plan.config["model_type"] == models[0].config["model_type"]
     for job in plan.jobs:
-        parts = [p for g in job.parts for p in g] if job.kind == "fuse" else [job]
-        assert family == "phi3" or job.kind == "merge"
+        parts = [p for g in job.parts for p in g] if job.operation == "fuse" else [job]
+        assert family == "phi3" or job.operation == "merge"
         for part in parts:
-            assert part.kind == "merge" and part.merge.method == "ties"
+            assert part.operation == "merge" and part.merge.method == "ties"
             assert [s.model for s in part.sources] == [1, 2] and part.base.model == 0
             assert {s.tensor for s in (*part.sources, part.base)} == {job.output}
 
@@ -38,7 +38,7 @@ def test_phi3_fused_tensors_are_merged_part_by_part():
     plan, _ = merge("phi3")
     jobs = {job.output: job for job in plan.jobs}
     qkv = jobs["model.layers.0.self_attn.qkv_proj.weight"]  # q 32 rows, k and v 16 each
-    assert qkv.kind == "fuse" and qkv.shape == (64, 32)
+    assert qkv.operation == "fuse" and qkv.shape == (64, 32)
     assert [(p.output.rsplit(":")[-1], p.sources[0].rows) for p in qkv.parts[0]] == \
         [("q", (0, 32)), ("k", (32, 48)), ("v", (48, 64))]
     gate_up = jobs["model.layers.1.mlp.gate_up_proj.weight"]
@@ -68,7 +68,7 @@ def test_slices_merged_layer_by_layer():
         {"sources": [{"model": "a", "layers": [0, 2]}, {"model": "b", "layers": [0, 2]}]}]}
     plan, _ = plan_from_headers(recipe, {"a": fake("qwen3"), "b": fake("qwen3")})
     job = next(j for j in plan.jobs if j.output == LAYER.format(1))
-    assert job.kind == "merge" and job.merge.method == "slerp"
+    assert job.operation == "merge" and job.merge.method == "slerp"
     assert job.sources == (Source(0, LAYER.format(1)), Source(1, LAYER.format(1)))
 
 

@@ -54,16 +54,17 @@ def test_ffns_are_copied_from_their_expert_and_the_reference(family, reference):
         mlp = f"model.layers.{layer}.mlp"
         for proj, name in PROJ.items():
             job = jobs[f"{mlp}.reference.{name}.weight"]
-            assert job.kind == "copy"
+            assert job.operation == "copy"
             assert job.sources == (ffn_source(family, layer, proj, 1 if reference else 0),)
             for i, m in enumerate(experts):
                 job = jobs[f"{mlp}.experts.{i}.{name}.weight"]
-                assert job.kind == "copy" and job.sources == (ffn_source(family, layer, proj, m),)
+                assert job.operation == "copy"
+                assert job.sources == (ffn_source(family, layer, proj, m),)
             factors = [jobs[f"{mlp}.curvature.{name}.{f}"] for f in "ABCD"]
-            assert all(j.kind == "identity" and j.dtype == torch.float32 for j in factors)
+            assert all(j.operation == "identity" and j.dtype == torch.float32 for j in factors)
             assert all(j.shape[:2] == (3, 2) for j in factors)  # [experts, rank, d, d]
         router = jobs[f"{mlp}.router.weight"]
-        assert router.kind == "random" and router.shape == (3, 32) and router.std > 0
+        assert router.operation == "random" and router.shape == (3, 32) and router.std > 0
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -74,12 +75,12 @@ def test_every_other_tensor_is_merged_across_the_experts(family):
         if role.role == "ffn":
             continue
         job = jobs[name]
-        merges = [p for g in job.parts for p in g] if job.kind == "fuse" else [job]
-        if job.kind == "fuse":  # Phi-3's qkv_proj: q, k and v merged apart, then stacked
+        merges = [p for g in job.parts for p in g] if job.operation == "fuse" else [job]
+        if job.operation == "fuse":  # Phi-3's qkv_proj: q, k and v merged apart, then stacked
             assert family == "phi3" and [p.output.rsplit(":")[-1] for p in merges] == \
                 ["q", "k", "v"]
         for part in merges:
-            assert part.kind == "merge" and part.merge.method == "ties", name
+            assert part.operation == "merge" and part.merge.method == "ties", name
             assert [(s.model, s.tensor) for s in part.sources] == [(m, name) for m in (1, 2, 3)]
             assert (part.base.model, part.base.tensor) == (0, name)
     if "lm_head.weight" not in models[0].reader:  # tied source: the head merged from embeddings

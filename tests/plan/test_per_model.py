@@ -97,10 +97,10 @@ def test_passthrough_scale_per_source_silences_a_slice_tensor():
                                                                    "value": 0.0}]}]}]}
     plan, _ = plan_from_headers(recipe, {"x": fake("llama", num_hidden_layers=3)})
     jobs = {job.output: job for job in plan.jobs}
-    assert jobs[O_PROJ.format(1)].kind == "copy"  # first slice: no scale
-    assert jobs[O_PROJ.format(3)].kind == "merge"
+    assert jobs[O_PROJ.format(1)].operation == "copy"  # first slice: no scale
+    assert jobs[O_PROJ.format(3)].operation == "merge"
     assert jobs[O_PROJ.format(3)].merge.get("scale") == (0.0,)
-    assert jobs[DOWN.format(3)].kind == "copy"  # the condition selects o_proj only
+    assert jobs[DOWN.format(3)].operation == "copy"  # the condition selects o_proj only
 
 
 @pytest.mark.parametrize("models, merge, message", [

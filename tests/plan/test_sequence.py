@@ -47,15 +47,15 @@ def test_seq_routed_copies_each_stack_and_merges_embeddings_and_head(family):
         assert stack
         for name in stack:
             job = jobs[f"experts.{i}.{name}"]
-            assert job.kind == "copy" and job.sources == (Source(m, name),), name
+            assert job.operation == "copy" and job.sources == (Source(m, name),), name
     for output, role in (("embed_tokens.weight", "embed"), ("lm_head.weight", "lm_head")):
         job = jobs[output]
         name = EMBED if role == "embed" else head_of(models, 1)
-        assert job.kind == "merge" and job.merge.method == "task_arithmetic", output
+        assert job.operation == "merge" and job.merge.method == "task_arithmetic", output
         assert job.merge.params["lambda"] == 0.5
         assert job.sources == (Source(1, name), Source(2, name)) and job.base == Source(0, name)
     router = jobs["router.weight"]
-    assert router.kind == "router" and router.shape == (2, 32) and router.router_init == "random"
+    assert router.operation == "router" and router.shape == (2, 32) and router.router_init == "random"
     assert not any(o.startswith("base.") for o in jobs)  # only task_vector routing keeps it
 
 
@@ -72,7 +72,7 @@ def test_task_vector_routing_keeps_the_whole_base():
     plan, models = seq_routed("llama", router={"kind": "task_vector"})  # tied: head = embedding
     base = {job.output: job for job in plan.jobs if job.output.startswith("base.")}
     assert set(base) == {f"base.{n}" for n in models[0].reader.names()} | {"base.lm_head.weight"}
-    assert all(job.kind == "copy" and job.sources[0].model == 0 for job in base.values())
+    assert all(job.operation == "copy" and job.sources[0].model == 0 for job in base.values())
     assert base["base.lm_head.weight"].sources == (Source(0, EMBED),)
 
 
@@ -113,13 +113,14 @@ def test_bridged_pads_and_averages_the_shared_tensors_and_fits_projectors():
     plan, models = bridged(("llama", "qwen3"), widths=(32, 48))
     jobs = {job.output: job for job in plan.jobs}
     embed = jobs["embed_tokens.weight"]  # each expert's, zero-padded to 48 and averaged
-    assert embed.kind == "merge" and embed.merge.method == "average" and embed.shape == (300, 48)
+    assert embed.operation == "merge" and embed.merge.method == "average"
+    assert embed.shape == (300, 48)
     assert embed.sources == (Source(0, EMBED), Source(1, EMBED))
     for i, width in enumerate((32, 48)):
         proj_in, proj_out = jobs[f"experts.{i}.proj_in.linear.weight"], \
             jobs[f"experts.{i}.proj_out.linear.weight"]
         assert (proj_in.shape, proj_out.shape) == ((width, 48), (48, width))
-        assert proj_in.kind == proj_out.kind == "lstsq"  # two experts: auto is lstsq
+        assert proj_in.operation == proj_out.operation == "lstsq"  # two experts: auto is lstsq
         assert proj_in.base == Source(i, EMBED) and proj_in.sources == embed.sources
         assert proj_out.base == Source(i, HEAD if HEAD in models[i].reader else EMBED)
         for name in models[i].reader.names():

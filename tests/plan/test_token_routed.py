@@ -76,14 +76,14 @@ def expert_reads(plan, architecture: str, layer: int, expert: int) -> dict[str, 
         for proj in ("gate", "up", "down"):
             on_disk = names[proj] if names else f"{proj}_proj"
             job = jobs[pattern.format(layer=layer, expert=expert, proj=on_disk)]
-            assert job.kind == "copy" and len(job.sources) == 1
+            assert job.operation == "copy" and len(job.sources) == 1
             found[proj] = job.sources[0]
         return found
     for pattern, projs in spec.items():
         job = jobs[pattern.format(layer=layer)]
-        assert job.kind == "fuse" and len(job.shape) == 3  # [experts, rows, cols]
+        assert job.operation == "fuse" and len(job.shape) == 3  # [experts, rows, cols]
         for proj, part in zip(projs, job.parts[expert], strict=True):
-            assert part.kind == "copy" and len(part.sources) == 1
+            assert part.operation == "copy" and len(part.sources) == 1
             found[proj] = part.sources[0]
     return found
 
@@ -117,7 +117,7 @@ def test_include_base_expert_adds_the_base_ffn_last():
 @pytest.mark.parametrize(("family", "shared", "architecture"), CASES)
 def test_a_router_per_layer_from_the_experts_gates(family, shared, architecture):
     plan, _ = planned(family, shared)
-    routers = [job for job in plan.jobs if job.kind == "router"]
+    routers = [job for job in plan.jobs if job.operation == "router"]
     pattern = ROUTER.get(architecture, "model.layers.{layer}.mlp.gate.weight")
     assert [job.output for job in routers] == [pattern.format(layer=layer) for layer in range(2)]
     for layer, job in enumerate(routers):
@@ -129,7 +129,7 @@ def test_a_router_per_layer_from_the_experts_gates(family, shared, architecture)
 
 def test_routers_of_other_inits_read_nothing():
     plan, _ = planned("qwen3", router={"init": "random"})
-    routers = [job for job in plan.jobs if job.kind == "router"]
+    routers = [job for job in plan.jobs if job.operation == "router"]
     assert len(routers) == 2 and all(not j.inputs and j.router_init == "random" for j in routers)
 
 
@@ -141,7 +141,7 @@ def test_every_other_tensor_is_merged_across_the_experts(family, shared, archite
     assert others
     for name in others:
         job = jobs[name]
-        assert job.kind == "merge" and job.merge.method == "ties", name
+        assert job.operation == "merge" and job.merge.method == "ties", name
         assert job.sources == tuple(Source(m, name) for m in (1, 2, 3))
         assert job.base == Source(0, name) and job.weights == WEIGHTS
         assert job.merge.params["density"] == 0.5
@@ -154,18 +154,19 @@ def test_the_shared_expert_is_what_the_recipe_asks():
                 if j.layer == 1 and ".shared_" in j.output}
 
     none = shared_jobs("qwen2", "none")  # width 1, zeros: it adds nothing
-    assert {k: (j.kind, j.shape) for k, j in none.items() if k != "shared_expert_gate.weight"} \
+    assert {k: (j.operation, j.shape) for k, j in none.items()
+            if k != "shared_expert_gate.weight"} \
         == {f"shared_expert.{p}_proj.weight": ("zeros", (32, 1) if p == "down" else (1, 32))
             for p in ("gate", "up", "down")}
     for shared in ("none", "base", "average"):  # a random gate, never all zeros (llama.cpp)
         gate = shared_jobs("qwen2", shared)["shared_expert_gate.weight"]
-        assert gate.kind == "random" and gate.shape == (1, 32) and gate.std > 0
+        assert gate.operation == "random" and gate.shape == (1, 32) and gate.std > 0
     base = shared_jobs("qwen2", "base")
     for proj in ("gate", "up", "down"):
         job = base[f"shared_expert.{proj}_proj.weight"]
-        assert job.kind == "copy" and job.sources == (Source(0, dense_ffn(1, proj)),)
+        assert job.operation == "copy" and job.sources == (Source(0, dense_ffn(1, proj)),)
         job = shared_jobs("qwen2", "average")[f"shared_expert.{proj}_proj.weight"]
-        assert job.kind == "merge" and job.merge.method == "average" and job.base is None
+        assert job.operation == "merge" and job.merge.method == "average" and job.base is None
         assert job.sources == tuple(Source(m, dense_ffn(1, proj)) for m in (1, 2, 3))
         assert job.weights == WEIGHTS
     plan, _ = planned("granite", "base")  # GraniteMoeShared: one fused MLP, no gate
@@ -212,10 +213,10 @@ def test_a_shared_expert_from_a_model_reads_the_last_model():
         jobs = {j.output: j for j in plan.jobs if j.layer == 1 and ".shared_expert" in j.output}
         for proj in ("gate", "up", "down"):
             job = next(j for n, j in jobs.items() if n.endswith(f".{proj}_proj.weight"))
-            assert job.kind == "copy" and job.sources == (Source(4, dense_ffn(1, proj)),)
-        gates = [j.kind for n, j in jobs.items() if n.endswith("shared_expert_gate.weight")]
+            assert job.operation == "copy" and job.sources == (Source(4, dense_ffn(1, proj)),)
+        gates = [j.operation for n, j in jobs.items() if n.endswith("shared_expert_gate.weight")]
         assert gates == ([gate] if gate else [])
-        routers = [j for j in plan.jobs if j.kind == "router"]
+        routers = [j for j in plan.jobs if j.operation == "router"]
         assert all(s.model in (1, 2, 3) for j in routers for s in j.sources)  # not the shared
 
 
@@ -228,7 +229,7 @@ def test_deepseek_without_a_shared_expert_and_qwen2_moe_from_llama():
     plan, models = planned("llama", layout="qwen2_moe")
     assert planned_shapes(plan) == saved_shapes(plan.config)
     biases = [j for j in plan.jobs if j.output.endswith(".bias")]
-    assert len(biases) == 6 and all(j.kind == "zeros" for j in biases)  # q, k, v × 2 layers
+    assert len(biases) == 6 and all(j.operation == "zeros" for j in biases)  # q, k, v × 2 layers
     assert {j.shape for j in biases} == {(32,), (16,)}  # q: 4 heads × 8; k, v: 2 × 8
 
 

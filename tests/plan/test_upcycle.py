@@ -64,14 +64,14 @@ def test_experts_are_slices_of_copies_of_the_dense_ffn(family, m):
 def test_everything_else_is_the_dense_models_and_routers_are_made(family):
     plan, models = upcycle(family, 2, router={"init": "virtual_group"})
     for job in plan.jobs:
-        if job.kind == "router":
+        if job.operation == "router":
             assert job.shape == (6, 32) and job.router_init == "virtual_group" and not job.inputs
         elif job.role not in ("ffn", "router"):
-            assert job.kind == "copy" and job.sources == (Source(0, job.output),), job.output
-    assert sum(job.kind == "router" for job in plan.jobs) == 2
+            assert job.operation == "copy" and job.sources == (Source(0, job.output),), job.output
+    assert sum(job.operation == "router" for job in plan.jobs) == 2
     if family == "qwen2":  # Qwen2-MoE's shared expert is zeroed: it adds nothing
         shared = [j for j in plan.jobs if ".shared_expert." in j.output]
-        assert len(shared) == 6 and all(j.kind == "zeros" for j in shared)
+        assert len(shared) == 6 and all(j.operation == "zeros" for j in shared)
 
 
 @pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3", "phi3"])

@@ -59,7 +59,7 @@ class Remerge:
 
 
 def merges(job: Job) -> bool:
-    return job.kind == "merge" or any(merges(p) for group in job.parts for p in group)
+    return job.operation == "merge" or any(merges(p) for group in job.parts for p in group)
 
 
 def plan_remerge(data: dict, new: list[NewExpert], moe: Path, stack: ExitStack) -> Remerge:
