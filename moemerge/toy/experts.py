@@ -80,9 +80,15 @@ class ToySpec:
     domains: tuple[str, ...] = DOMAINS
     seed: int = 0
     family: str = "llama"
+    # what an expert trains: "all" its parameters, or "ffn" only (the rest frozen at the base's,
+    # as the real experts are: their FFNs then work beside the others' shared attention)
+    expert_trains: str = "all"
 
     def key(self) -> str:
-        blob = json.dumps({"format": FORMAT_VERSION, **asdict(self)}, sort_keys=True)
+        fields = asdict(self)
+        if fields["expert_trains"] == "all":  # the sets made before the field keep their keys
+            del fields["expert_trains"]
+        blob = json.dumps({"format": FORMAT_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -190,6 +196,8 @@ def write_texts(spec, out_dir: Path, meta: dict) -> dict[str, tuple[str, str]]:
 
 def make_toy_experts(spec: ToySpec, out_dir: Path, progress: bool = True) -> ToySet:
     """Build a toy set for `spec` in `out_dir` (see the module docstring for the layout)."""
+    if spec.expert_trains not in ("all", "ffn"):
+        raise ValueError(f"expert_trains: {spec.expert_trains!r} is not 'all' or 'ffn'")
     out_dir, clock, timings = Path(out_dir), time.perf_counter(), {}
     meta = {"format": FORMAT_VERSION, "spec": asdict(spec), "base": "base", "experts": {}}
     meta |= {"eval_text": {}, "train_text": {}, "final_loss": {}}
@@ -210,6 +218,9 @@ def make_toy_experts(spec: ToySpec, out_dir: Path, progress: bool = True) -> Toy
         for label, data, steps, lr, seed, parent in runs:
             start = time.perf_counter()
             model = copy.deepcopy(models[parent]) if parent else init_model(config, spec.seed)
+            if parent and spec.expert_trains == "ffn":
+                for name, param in model.named_parameters():
+                    param.requires_grad_(".mlp." in name)
             losses = train_lm(
                 model,
                 data,

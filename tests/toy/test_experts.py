@@ -63,6 +63,25 @@ def test_same_seed_same_weights_and_tokenizer_saved(tmp_path):
 def test_spec_key_is_stable_and_distinguishes_specs():
     assert TINY.key() == dataclasses.replace(TINY).key() and len(TINY.key()) == 12
     assert TINY.key() != dataclasses.replace(TINY, seed=1).key() != DEMO.key()
+    # a set made before expert_trains existed keeps its key; an FFN-only set has its own
+    assert TINY.key() == "1e8eb6a2a5f6"
+    assert dataclasses.replace(TINY, expert_trains="ffn").key() != TINY.key()
+
+
+def test_ffn_only_experts_keep_the_bases_other_tensors(tmp_path):
+    """expert_trains: ffn: every tensor outside the FFNs is the base's, bit for bit; every FFN
+    tensor has moved (the experts trained)."""
+    spec = dataclasses.replace(TINY, expert_trains="ffn", base_steps=5, expert_steps=5,
+                               domains=("code", "math"))
+    ts = experts_module.make_toy_experts(spec, tmp_path / "set", progress=False)
+    base = load_file(ts.base / "model.safetensors")
+    for expert in ts.experts.values():
+        tensors = load_file(expert / "model.safetensors")
+        for name, t in tensors.items():
+            assert torch.equal(t, base[name]) == (".mlp." not in name), name
+    with pytest.raises(ValueError, match="expert_trains: 'attn'"):
+        experts_module.make_toy_experts(dataclasses.replace(spec, expert_trains="attn"),
+                                        tmp_path / "bad", progress=False)
 
 
 @pytest.fixture(scope="module")
