@@ -36,7 +36,11 @@ Results (written after every set-seed, so a killed run keeps what it finished):
 benchmarks/results/heldout.{md,json}.
 
     python benchmarks/quality/heldout.py [--seeds 3] [--sets chosen,held-out] [--only KEYS]
-        [--steps 100,400] [--spec demo|tiny]
+        [--steps 100,400] [--spec demo|tiny] [--expert-trains all|ffn] [--out DIR]
+
+--expert-trains ffn makes sets whose experts train their FFNs only (as real experts of the
+SmolLM2 sets do; the BTX control then trains only its FFNs too); --out writes the results
+elsewhere (the committed files are the default's: experts training every weight).
 """
 
 from __future__ import annotations
@@ -110,7 +114,8 @@ class SetRun:
 
         self.name, self.seed, self.args = name, seed, args
         base_spec = {"demo": DEMO, "tiny": TINY}[args.spec]
-        self.spec = dataclasses.replace(base_spec, domains=SETS[name], seed=seed)
+        self.spec = dataclasses.replace(base_spec, domains=SETS[name], seed=seed,
+                                        expert_trains=args.expert_trains)
         start = time.perf_counter()
         self.ts = cached_toy_experts(self.spec, progress=False)
         self.toy_s = time.perf_counter() - start  # ~0 when the set was cached
@@ -239,6 +244,9 @@ def make_control(ts, out: Path) -> None:
                for p in ts.train_text.values()]
     with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(ts.base, dtype=torch.float32)
+    if spec.expert_trains == "ffn":  # trained as the experts were: FFNs only, the rest frozen
+        for name, param in model.named_parameters():
+            param.requires_grad_(".mlp." in name)
     # a seed the experts did not use (they took seed + 1 + i): its own batches
     losses = train_lm(model, streams, steps=steps, batch=spec.batch, seq_len=spec.seq_len,
                       lr=spec.expert_lr, seed=spec.seed + 1000)
@@ -267,8 +275,8 @@ def best_token_variant(result: dict, fallback: str) -> tuple[str, str]:
     if not means:
         return fallback, "no token_routed rows on the chosen set: the fallback"
     best = min(means, key=means.get)
-    return best, f"lowest mean geo-mean on the chosen set over {len(seeds)} seed(s) " \
-                 f"({means[best]:.3f})"
+    return best, f"the lowest mean geo-mean on the chosen set over {len(seeds)} seed(s), " \
+                 f"{means[best]:.3f}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,10 +370,12 @@ def k_line(set_result: dict) -> list[str]:
 def markdown(result: dict) -> str:
     s = result["settings"]
     lines = ["# Held-out protocol (issue 44)", "", stamp_line(result["provenance"]), "",
-             f"`python benchmarks/quality/heldout.py {result['command']}`"
+             f"`{' '.join(['python benchmarks/quality/heldout.py', result['command']]).strip()}`"
              f"{'' if result['complete'] else ' (incomplete: the run was still going)'}; "
              f"runtime {result['runtime_s'] / 60:.1f} min.", "",
-             f"Toy sets: the {s['spec']} size, one set per domain set and seed "
+             f"Toy sets: the {s['spec']} size, experts training "
+             f"{'their FFNs only' if s.get('expert_trains') == 'ffn' else 'every weight'}, "
+             "one set per domain set and seed "
              f"({', '.join(map(str, s['seeds']))}). Scores: per-domain test perplexity (run.py's "
              f"Scorer: windows of 128 tokens, the first {s['prompt_tokens']} a prompt, at most "
              f"{s['max_tokens']} tokens per domain), a row's figure the geometric mean over "
@@ -378,6 +388,9 @@ def markdown(result: dict) -> str:
     for name, set_result in result["sets"].items():
         c = set_result.get("compute")
         lines += set_table(name, set_result)
+        counts = [n for r in set_result["seeds"].values() for n in r["test_tokens"].values()]
+        lines += [f"Test tokens per domain and seed: {min(counts):,}–{max(counts):,} available, "
+                  f"at most {s['max_tokens']:,} scored.", ""]
         if c:
             post = ", ".join(f"N = {n}: {t:,}" for n, t in c["post_tokens"].items())
             lines += [f"Compute: base {c['base_tokens']:,} tokens (shared); experts "
@@ -387,10 +400,10 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(result: dict) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "heldout.json").write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS / "heldout.md").write_text(markdown(result))
+def write(result: dict, out: Path = RESULTS) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "heldout.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "heldout.md").write_text(markdown(result))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,7 +436,7 @@ def btx_moe(result: dict, sets: list[str], args) -> dict:
     set (this run's, or the saved results' when this run has no chosen set)."""
     if args.btx_moe:
         return {"key": args.btx_moe, "why": "given by --btx-moe"}
-    saved = RESULTS / "heldout.json"
+    saved = Path(args.out) / "heldout.json"
     if "chosen" not in sets and saved.is_file():
         key, why = best_token_variant(json.loads(saved.read_text()), "token_k2")
         return {"key": key, "why": why + ", in the saved results"}
@@ -458,6 +471,10 @@ def main() -> None:
     parser.add_argument("--btx-moe", default="", help="the token_routed key trained in the "
                         "post-merge rows (default: the best on the chosen set)")
     parser.add_argument("--spec", choices=("demo", "tiny"), default="demo")
+    parser.add_argument("--expert-trains", choices=("all", "ffn"), default="all",
+                        help="what each toy expert trains (ToySpec.expert_trains); with ffn the "
+                        "BTX control trains only its FFNs too")
+    parser.add_argument("--out", default=str(RESULTS), help="where heldout.{md,json} go")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=6144, help="test tokens per domain")
     parser.add_argument("--calibration-tokens", type=int, default=8192)
@@ -482,7 +499,7 @@ def main() -> None:
 
     def save() -> None:
         result["runtime_s"] = time.perf_counter() - clock
-        write(result)
+        write(result, Path(args.out))
 
     with tempfile.TemporaryDirectory(prefix="heldout-") as tmp:
         training_free(result, sets, [k for k in ORDER if not only or k in only], args,
