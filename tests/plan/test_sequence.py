@@ -55,7 +55,8 @@ def test_seq_routed_copies_each_stack_and_merges_embeddings_and_head(family):
         assert job.merge.params["lambda"] == 0.5
         assert job.sources == (Source(1, name), Source(2, name)) and job.base == Source(0, name)
     router = jobs["router.weight"]
-    assert router.operation == "router" and router.shape == (2, 32) and router.router_init == "random"
+    assert router.operation == "router" and router.shape == (2, 32)
+    assert router.router_init == "random"
     assert not any(o.startswith("base.") for o in jobs)  # only task_vector routing keeps it
 
 
