@@ -71,7 +71,7 @@ def fastest(repeats: int, run, out: Path) -> float:
 
 def measure(root: Path, hidden: int, layers: int, tokens: int, repeats: int) -> dict:
     from moemerge.api import build
-    from moemerge.extend import extend_moe
+    from moemerge.built.extend.command import extend_moe
     from moemerge.io.atomic import RECIPE_COPY
 
     base, experts = make_models(root, hidden, layers)

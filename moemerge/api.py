@@ -54,7 +54,7 @@ from moemerge.plan.sources import SourceModel
 from moemerge.progress import Stages
 from moemerge.recipe.kinds import KINDS, Kind, kind_of, labelled_refs
 from moemerge.recipe.load import AnyRecipe, load_recipe, parse_recipe
-from moemerge.report import human_bytes
+from moemerge.rendering import human_bytes
 from moemerge.routing.calibration import (
     calibrated_model,
     calibrated_routers,

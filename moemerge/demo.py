@@ -22,7 +22,7 @@ from rich.console import Console
 from moemerge.errors import OutputError, RecipeError
 from moemerge.io.atomic import atomic_output_dir
 from moemerge.io.outputs import check_output
-from moemerge.tables import Fitted
+from moemerge.terminal_tables import Fitted
 
 MARKER = ".moemerge-demo"
 RECIPES = {"moe": "toy_moe.yaml", "merged": "toy_merge.yaml", "seq": "toy_seq_routed.yaml"}

@@ -10,7 +10,7 @@ from moemerge.cli.app import reports_errors
 from moemerge.errors import RecipeError
 from moemerge.plan.jobs import Job, Plan, Source
 from moemerge.plan.params import ResolvedMerge
-from moemerge.report import plan_table
+from moemerge.rendering import plan_table
 
 NAMES = ["[code]", "[bold]prose", "math[/]"]
 

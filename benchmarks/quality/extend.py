@@ -55,7 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     clock = time.perf_counter()
 
-    from moemerge.extend import extend_moe
+    from moemerge.built.extend.command import extend_moe
 
     ts, score = expert_set(args)
     new = list(ts.experts)[-1]

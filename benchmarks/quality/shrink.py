@@ -57,7 +57,7 @@ def peak_rss_gib() -> float:
 
 
 class TimedStats:
-    """moemerge.shrink's statistics pass, timed and its peak RSS read, per call."""
+    """moemerge.built.shrink's statistics pass, timed and its peak RSS read, per call."""
 
     def __init__(self, collect):
         self.collect, self.calls = collect, []
@@ -107,8 +107,8 @@ def expert_set(args) -> tuple[object, Scorer]:
 def shrink_once(moe: Path, out: Path, kept: int, method: str, saliency: str, repair: bool,
                 data: list[str], tokens: int) -> float:
     """Seconds `moemerge shrink` took (statistics, write, repair; no load check)."""
+    from moemerge.built.shrink import recipe_text_of, shrink
     from moemerge.recipe.load import parse_recipe
-    from moemerge.shrink import recipe_text_of, shrink
 
     recipe = parse_recipe({"kind": "shrink", "model": str(moe), "experts": kept,
                            "method": method, "saliency": saliency, "repair": repair,
@@ -134,7 +134,7 @@ def main() -> None:
     args = parser.parse_args()
     clock = time.perf_counter()
 
-    import moemerge.shrink as shrink_module
+    import moemerge.built.shrink as shrink_module
 
     timed = TimedStats(shrink_module.collect_stats)
     shrink_module.collect_stats = timed

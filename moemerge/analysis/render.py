@@ -10,7 +10,7 @@ from rich.markup import escape
 from moemerge.analysis.task_vectors import GroupResult, TaskVectorReport
 from moemerge.analysis.verdict import verdict
 from moemerge.io.resolve import looks_like_path
-from moemerge.tables import Column, Fitted
+from moemerge.terminal_tables import Column, Fitted
 
 SCHEMA = "moemerge.inspect/1"  # bump when a key changes meaning or disappears (docs/inspect.md)
 

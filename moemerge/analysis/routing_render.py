@@ -8,7 +8,7 @@ from rich.markup import escape
 
 from moemerge.analysis.routing import RoutingReport
 from moemerge.eval.perplexity import windows_note
-from moemerge.tables import Column, Fitted
+from moemerge.terminal_tables import Column, Fitted
 from moemerge.words import plural
 
 

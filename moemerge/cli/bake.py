@@ -28,7 +28,7 @@ def bake(
 
     sweep_output(output)  # what a killed bake left, even if this one fails
     check_output(output, [("the input model", model)], force=force, directory=True)
-    from moemerge.finish.bake import bake_curvature  # torch: after the checks that need none
+    from moemerge.built.bake import bake_curvature  # torch: after the checks that need none
     baked = bake_curvature(model, output, force=force)
     out.print(f"[green]baked[/] {output}: curvature folded into "
               f"{plural(len(baked), 'expert tensor')}")

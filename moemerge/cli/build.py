@@ -104,7 +104,7 @@ def build(
 
         out.print(tuning_table(result.tuning))
     if dry_run:
-        from moemerge.report import human_bytes, plan_lines, plan_table
+        from moemerge.rendering import human_bytes, plan_lines, plan_table
 
         if out.is_terminal:
             out.print(plan_table(result.plan))

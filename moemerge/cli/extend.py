@@ -85,7 +85,7 @@ def extend(
     inputs = [("the input model", model), *local_inputs("an --expert model", expert),
               *local_inputs("a --calibration text", calibration or [])]
     check_output(output, inputs, force=force, directory=True)
-    from moemerge.extend import extend_moe  # torch: after the checks that need none
+    from moemerge.built.extend.command import extend_moe  # torch: after the checks that need none
     done = extend_moe(model, output, expert, names=name, calibration=calibration,
                       keep_shared=keep_shared, recalibrate=recalibrate, force=force)
     out.print(f"[green]extended[/] {model} to {output}: experts {', '.join(done.experts)}; "

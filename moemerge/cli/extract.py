@@ -75,7 +75,7 @@ def extract(
     inputs = [("the input model", model), *local_inputs("the base model", [base] if base else [])]
     check_output(output, inputs, force=force, directory=True)
     if stored:  # an MoE of LoRA experts' own adapter, as it stores it
-        from moemerge.finish.extract import extract_stored_adapter
+        from moemerge.built.extract import extract_stored_adapter
 
         done = extract_stored_adapter(model, output, expert=expert, base=base, force=force)
         out.print(f"[green]extracted[/] {escape(done.label)}'s LoRA adapter to "
@@ -85,7 +85,7 @@ def extract(
     if lora is not None:
         _extract_lora(model, output, base, rank, lora_share, expert, weights, device, force)
         return
-    from moemerge.finish.extract import extract_expert  # torch: after the checks that need none
+    from moemerge.built.extract import extract_expert  # torch: after the checks that need none
     done = extract_expert(model, output, expert=expert, weights=weights, force=force)
     out.print(f"[green]extracted[/] {done.label} ({done.kind}) to {output}: {done.tensors} "
               f"tensors, {done.bytes / 2**20:.1f} MiB")
@@ -114,10 +114,10 @@ def lora_rank(lora: str | None, share: float | None, base: str | None, device: s
 
 def _extract_lora(model: Path, output: Path, base: str, rank: int | None, share: float | None,
                   expert: str | None, weights: str | None, device: str, force: bool) -> None:
+    from moemerge.built.extract.lora import extract_lora
+    from moemerge.built.extract.lora_files import summary, terminal_table
     from moemerge.execute import check_device  # torch: after the checks that need none
-    from moemerge.finish.extract.lora import extract_lora
-    from moemerge.finish.extract.lora_files import summary, terminal_table
-    from moemerge.tables import Fitted
+    from moemerge.terminal_tables import Fitted
 
     if check_device(device).type == "meta":
         raise RecipeError("--device meta: an SVD needs values; use cpu or cuda")

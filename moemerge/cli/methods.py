@@ -9,7 +9,7 @@ from rich.markup import escape
 
 from moemerge.cli.app import app, out, reports_errors
 from moemerge.merge.registry import METHOD_NAMES, REGISTRY
-from moemerge.tables import Column, Fitted
+from moemerge.terminal_tables import Column, Fitted
 
 
 @app.command()

@@ -64,7 +64,7 @@ def route(
     forward and backward of the base).
     """
     from moemerge.errors import RecipeError
-    from moemerge.tables import Column, Fitted
+    from moemerge.terminal_tables import Column, Fitted
 
     at_most("--max-tokens", max_tokens, MAX_SEQ_LEN, "tokens of a prompt")
     if split not in ("line", "paragraph", "file"):
@@ -106,7 +106,7 @@ def route(
 def _prompt_room(width: int, columns: list, rows: list[list[str]]) -> int:
     """Characters of each prompt's preview: what the console's width leaves beside the other
     columns (whole), at most PREVIEW, at least 12. The preview is an excerpt, cut with `…`."""
-    from moemerge.tables import table_width
+    from moemerge.terminal_tables import table_width
 
     others = table_width(columns, rows, skip=1)
     return max(12, min(PREVIEW, width - others))

@@ -72,8 +72,8 @@ def shrink(
     recipe = parse_recipe(data, "options")
     if not model.is_dir():
         raise RecipeError(f"MODEL {model}: no such directory")
-    from moemerge.shrink import recipe_text_of  # torch: after the usage checks
-    from moemerge.shrink import shrink as run_shrink
+    from moemerge.built.shrink import recipe_text_of  # torch: after the usage checks
+    from moemerge.built.shrink import shrink as run_shrink
 
     done = run_shrink(recipe, output, recipe_dir=Path.cwd(), force=force,
                       recipe_text=recipe_text_of(recipe, model, calibration),

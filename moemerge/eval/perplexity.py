@@ -18,7 +18,7 @@ from rich.markup import escape
 
 from moemerge.errors import CheckpointError
 from moemerge.loading import load_causal_lm, load_pretrained
-from moemerge.tables import Column, Fitted
+from moemerge.terminal_tables import Column, Fitted
 
 ModelRef = Path | str | torch.nn.Module | tuple  # a path, a model, or (model, tokenizer)
 
@@ -160,7 +160,7 @@ def render_table(
     table: Mapping[str, Mapping[str, float]], title: str | None = None, highlight_best: bool = True
 ) -> Fitted:
     """Rows = models, columns = domains + mean; the lowest value per column in bold green. As
-    many tables as the console's width needs, none cutting a number (moemerge.tables)."""
+    many tables as the console's width needs, none cutting a number (moemerge.terminal_tables)."""
     domains = list(next(iter(table.values()), {}))
     rows = {label: [row[d] for d in domains] for label, row in table.items()}
     rows = {label: values + [sum(values) / len(values)] for label, values in rows.items() if values}

@@ -106,10 +106,11 @@ KINDS = (
          router="routing.routers:UpcycleRouters", gguf=True,
          commands=("finetune", "extract", "shrink", "inspect routing")),
     Kind("shrink", "shrink", ShrinkRecipe, "an MoE with fewer experts per layer", "inputs",
-         None, None, runner="shrink:run",
+         None, None, runner="built.shrink:run",
          commands=("finetune", "extract", "shrink", "inspect routing")),
     Kind("stages", "stages", StagesRecipe, "several recipes built in order, later ones reading "
-         "earlier outputs (mergekit-multi)", "inputs", None, None, runner="stages:build_stages",
+         "earlier outputs (mergekit-multi)", "inputs", None, None,
+         runner="stage_runner:build_stages",
          moe=False, gguf=True,  # gguf: the output stage's build converts it, if its kind can
          commands=("those of its last stage's kind",)),
 )

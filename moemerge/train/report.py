@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from moemerge.tables import Column, Fitted
+from moemerge.terminal_tables import Column, Fitted
 
 Evals = dict[str, dict[str, float]]
 

@@ -6,7 +6,7 @@ import json
 
 import yaml
 
-from moemerge.tables import Column, Fitted
+from moemerge.terminal_tables import Column, Fitted
 from moemerge.tune.search import TuneOptions, TuneResult
 
 TUNING_FILE = "moemerge_tuning.json"

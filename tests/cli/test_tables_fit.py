@@ -20,7 +20,7 @@ from conftest import perturbed_copy
 from rich.console import Console
 
 from moemerge.merge.registry import METHOD_NAMES
-from moemerge.tables import Column, Fitted
+from moemerge.terminal_tables import Column, Fitted
 
 WIDTH = 80
 MOEMERGE = [sys.executable, "-m", "moemerge"]

@@ -61,8 +61,8 @@ writer.ShardedWriter._put = _put_then_wait
 import transformers  # noqa: E402,F401
 from transformers import LlamaForCausalLM, MixtralForCausalLM  # noqa: E402,F401
 
-import moemerge.api, moemerge.extend, moemerge.finish.extract  # noqa: E402,F401
-import moemerge.shrink, moemerge.stages  # noqa: E402,F401
+import moemerge.api, moemerge.built.extend.command, moemerge.built.extract  # noqa: E402,F401
+import moemerge.built.shrink, moemerge.stage_runner  # noqa: E402,F401
 from moemerge.cli import app  # noqa: E402
 
 print("ready", flush=True)

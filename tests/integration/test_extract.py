@@ -25,9 +25,9 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from moemerge.api import build
+from moemerge.built.extract import extract_expert
 from moemerge.cli import app
 from moemerge.errors import MismatchError
-from moemerge.finish.extract import extract_expert
 from moemerge.loading import load_pretrained
 
 IDS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))

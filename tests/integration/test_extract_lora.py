@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
+from moemerge.built.extract import extract_expert
 from moemerge.cli import app
-from moemerge.finish.extract import extract_expert
 
 peft = pytest.importorskip("peft")
 

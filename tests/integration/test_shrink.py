@@ -21,10 +21,10 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from moemerge.api import build
+from moemerge.built.shrink import shrink
 from moemerge.cli import app
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.recipe.load import parse_recipe
-from moemerge.shrink import shrink
 
 IDS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
 runner = CliRunner()

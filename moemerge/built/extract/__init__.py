@@ -16,8 +16,8 @@ from pathlib import Path
 
 from moemerge.analysis.routing import expert_labels
 from moemerge.architectures.forms import layout_of
+from moemerge.built.extract.choice import expert_index, one_hot, routing_weights
 from moemerge.errors import CheckpointError, RecipeError
-from moemerge.finish.extract.choice import expert_index, one_hot, routing_weights
 from moemerge.finish.verify import FULL_LOAD_LIMIT, check_loads
 from moemerge.io.atomic import SIDE_FILES, atomic_output_dir, copy_side_files
 from moemerge.io.reader import CheckpointReader, read_config
@@ -68,8 +68,8 @@ def extract_expert(moe: Path, out: Path, *, expert: str | None = None,
 def choose_extraction(moe: Path, reader: CheckpointReader, config: dict, expert: str | None,
                 weights: str | None) -> tuple[str, Extraction, str]:
     """(kind, extraction, label) for the MoE's kind."""
-    from moemerge.finish.extract.merged import extract_merged
-    from moemerge.finish.extract.seq_routed import extract_seq_routed
+    from moemerge.built.extract.merged import extract_merged
+    from moemerge.built.extract.seq_routed import extract_seq_routed
     from moemerge.io.moe_expert import extract_token_routed
 
     layout = layout_of(config)
@@ -92,7 +92,7 @@ def choose_extraction(moe: Path, reader: CheckpointReader, config: dict, expert:
         return "merged_experts", extract_merged(reader, config, scores, label), label
     index = expert_index(expert, names)
     if is_lora_experts(config):
-        from moemerge.finish.extract.lora_experts import extract_lora_expert
+        from moemerge.built.extract.lora_experts import extract_lora_expert
 
         return "lora_experts", extract_lora_expert(reader, config, index,
                                                    names[index]), names[index]
@@ -105,7 +105,7 @@ def choose_extraction(moe: Path, reader: CheckpointReader, config: dict, expert:
 def extract_stored_adapter(moe: Path, out: Path, *, expert: str | None, base: str | None,
                            force: bool = False) -> Extracted:
     """Write expert `expert` of an MoE of LoRA experts as the PEFT adapter it stores."""
-    from moemerge.finish.extract.lora_experts import write_stored_adapter
+    from moemerge.built.extract.lora_experts import write_stored_adapter
     from moemerge.io.adapter import LoraAdapter
 
     moe, out = Path(moe), Path(out)

@@ -1,6 +1,6 @@
 """`moemerge extend`: new experts joined to an MoE without rebuilding it (docs/extend.md): a
 calibrated token-routed MoE that `moemerge build` made (below), a seq_routed / merged_experts
-one (finish/extend/seq_routed.py, merged.py: the new stack or FFN weights join, each router is
+one (built/extend/seq_routed.py, merged.py: the new stack or FFN weights join, each router is
 a rebuild's: its random draw, or calibrated again on all the text), or a token-routed MoE it
 did not build (a hub Mixtral, Qwen-MoE, ...: `_extend_foreign`, its routers' rows kept and a
 row per new expert fitted on calibration text, routing/new_rows.py).
@@ -13,10 +13,10 @@ deeper layers fitted on the old model's hidden states for the old text), or, wit
 a build that kept no statistics is calibrated again so, with a note saying so.
 
 Where the recipe's merge of the shared (non-FFN) tensors reads every expert, they are merged
-again with the new experts by build's planner and executor (finish/extend/remerge.py) unless
+again with the new experts by build's planner and executor (built/extend/remerge.py) unless
 `keep_shared`; every hidden state then changes, so calibrated routers are calibrated again on
 all the text. Each new expert is checked against the MoE's shapes and the recipe copy's base
-where it is at hand (finish/extend/same_base.py) before --calibration or --recalibrate is asked
+where it is at hand (built/extend/same_base.py) before --calibration or --recalibrate is asked
 for: an expert of another base is the first thing to hear of. The output is written under the
 output rule (atomic, --force) with a recipe copy that rebuilds it from scratch, in the MoE's
 own on-disk form (a fused MoE is written fused).
@@ -36,10 +36,8 @@ import torch
 from moemerge.analysis.routing import expert_labels
 from moemerge.architectures.forms import layout_of
 from moemerge.architectures.tables import MoELayout
-from moemerge.errors import CheckpointError, RecipeError
-from moemerge.eval.perplexity import load_tokenizer
-from moemerge.finish.extend import merged, seq_routed
-from moemerge.finish.extend.recipe import (
+from moemerge.built.extend import merged, seq_routed
+from moemerge.built.extend.recipe import (
     REBUILD,
     NewExpert,
     built_recipe,
@@ -50,9 +48,11 @@ from moemerge.finish.extend.recipe import (
     recipe_copy,
     with_texts,
 )
-from moemerge.finish.extend.remerge import Remerge, plan_remerge
-from moemerge.finish.extend.same_base import check_same_base, local_base
-from moemerge.finish.extend.tensors import check_expert, extended_tensors
+from moemerge.built.extend.remerge import Remerge, plan_remerge
+from moemerge.built.extend.same_base import check_same_base, local_base
+from moemerge.built.extend.tensors import check_expert, extended_tensors
+from moemerge.errors import CheckpointError, RecipeError
+from moemerge.eval.perplexity import load_tokenizer
 from moemerge.finish.gguf import too_many_experts
 from moemerge.finish.remote_code import copy_modeling_code
 from moemerge.finish.verify import FULL_LOAD_LIMIT, check_loads
@@ -269,7 +269,7 @@ def _foreign_card(moe: Path, count: int, new: list[NewExpert]) -> str:
 
 def _shared_inputs(data: dict, new: list[NewExpert], moe: Path, out: Path, remerging: bool,
                    stack: ExitStack) -> Remerge | None:
-    """With a re-merge, the recipe copy's models opened and planned (finish/extend/remerge.py),
+    """With a re-merge, the recipe copy's models opened and planned (built/extend/remerge.py),
     OUT checked apart from each of them (the output rule); else None."""
     if not remerging:
         return None
@@ -301,7 +301,7 @@ def _remerged(changing: list[str], remerge: Remerge | None) -> str:
 
 
 def _assembly(config: dict, moe: Path):
-    """The module that grows this kind: finish/extend/seq_routed.py or merged.py."""
+    """The module that grows this kind: built/extend/seq_routed.py or merged.py."""
     if is_merged_experts(config):
         return merged
     if is_sequence_routed(config):

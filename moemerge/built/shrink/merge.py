@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from moemerge.shrink.prune import Grouping, saliency_of
-from moemerge.shrink.stats import LayerStats
+from moemerge.built.shrink.prune import Grouping, saliency_of
+from moemerge.built.shrink.stats import LayerStats
 
 
 def cluster(similarity: torch.Tensor, kept: int) -> list[list[int]]:

@@ -18,6 +18,12 @@ from typing import ClassVar
 import yaml
 
 from moemerge.architectures.forms import layout_of, moe_names
+from moemerge.built.shrink.card import SHRINK_FILE, readme, shrink_json
+from moemerge.built.shrink.merge import merge
+from moemerge.built.shrink.prune import Grouping, prune
+from moemerge.built.shrink.repair import repair_routers
+from moemerge.built.shrink.stats import collect_stats
+from moemerge.built.shrink.write import check_group_sizes, shrunk_config, shrunk_tensors
 from moemerge.data import read_domains
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.eval.perplexity import load_tokenizer
@@ -38,12 +44,6 @@ from moemerge.loading import check_seq_len, check_tokenizer_fits, load_pretraine
 from moemerge.progress import Stages
 from moemerge.recipe.shrink import ShrinkRecipe
 from moemerge.routing.calibration import calibration_windows
-from moemerge.shrink.card import SHRINK_FILE, readme, shrink_json
-from moemerge.shrink.merge import merge
-from moemerge.shrink.prune import Grouping, prune
-from moemerge.shrink.repair import repair_routers
-from moemerge.shrink.stats import collect_stats
-from moemerge.shrink.write import check_group_sizes, shrunk_config, shrunk_tensors
 
 __all__ = ["Shrunk", "input_model", "shrink"]
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moemerge.shrink.stats import LayerStats
+from moemerge.built.shrink.stats import LayerStats
 
 
 @dataclass

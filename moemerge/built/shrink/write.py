@@ -13,13 +13,13 @@ import torch
 
 from moemerge.architectures.forms import name_pattern
 from moemerge.architectures.tables import MoELayout
+from moemerge.built.shrink.prune import Grouping
 from moemerge.errors import RecipeError
 from moemerge.io.reader import CheckpointReader
 from moemerge.io.tensor_list import DenseTensor, Extraction
 from moemerge.merge.dispatch import merge
 from moemerge.merge.registry import REGISTRY
 from moemerge.recipe.shrink import WEIGHTED
-from moemerge.shrink.prune import Grouping
 from moemerge.words import plural
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 import yaml
 
+from moemerge.built.extend.recipe import NewExpert, extended_recipe_text
 from moemerge.errors import CheckpointError
 from moemerge.execute import compute
-from moemerge.finish.extend.recipe import NewExpert, extended_recipe_text
 from moemerge.io.atomic import RECIPE_COPY
 from moemerge.io.tensor_list import DenseTensor
 from moemerge.plan.jobs import Job, Source

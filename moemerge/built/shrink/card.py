@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from moemerge.built.shrink.prune import Grouping
+from moemerge.built.shrink.stats import LayerStats
 from moemerge.recipe.shrink import ShrinkRecipe
-from moemerge.shrink.prune import Grouping
-from moemerge.shrink.stats import LayerStats
 
 SCHEMA = "moemerge.shrink/1"  # bump when a key changes meaning or disappears (docs/shrink.md)
 SHRINK_FILE = "shrink.json"

@@ -17,10 +17,10 @@ import torch
 
 from moemerge.analysis.route import MAX_EXPERTS
 from moemerge.architectures.config import dense_config
+from moemerge.built.extend.recipe import REBUILD, depends_on_experts, loss_targets_error
+from moemerge.built.extend.tensors import check_shapes
 from moemerge.errors import CheckpointError, MismatchError, RecipeError
 from moemerge.execute import compute
-from moemerge.finish.extend.recipe import REBUILD, depends_on_experts, loss_targets_error
-from moemerge.finish.extend.tensors import check_shapes
 from moemerge.io.reader import CheckpointReader
 from moemerge.io.tensor_list import DenseTensor, config_dtype
 from moemerge.plan.jobs import Job, Source

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
+from moemerge.built.shrink.prune import Grouping
 from moemerge.routing.calibrate import fit_token_routers
 from moemerge.routing.modules import find_routers
 from moemerge.routing.ridge import fit_router, held_out_windows
-from moemerge.shrink.prune import Grouping
 
 FLOOR = 1e-9  # log of a probability no token gave an expert group
 

@@ -7,10 +7,10 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from moemerge.analysis.render import public_name
-from moemerge.tables import Column
+from moemerge.terminal_tables import Column
 
 if TYPE_CHECKING:
-    from moemerge.finish.extract.lora import LoraExtracted, ModuleDelta
+    from moemerge.built.extract.lora import LoraExtracted, ModuleDelta
 
 COLUMNS = [Column("module", justify="left", key=True), Column("shape"), Column("rank"),
            Column("kept"), Column("‖τ‖"), Column("size")]

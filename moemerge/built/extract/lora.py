@@ -30,9 +30,9 @@ import torch
 
 from moemerge.architectures.forms import layout_of
 from moemerge.architectures.tables import DenseFamily, family_for_config
+from moemerge.built.extract import choose_extraction
+from moemerge.built.extract.lora_files import adapter_config, card, report_json
 from moemerge.errors import MismatchError, RecipeError
-from moemerge.finish.extract import choose_extraction
-from moemerge.finish.extract.lora_files import adapter_config, card, report_json
 from moemerge.io.atomic import SIDE_FILES, atomic_output_dir, copy_side_files
 from moemerge.io.reader import CheckpointReader, read_config
 from moemerge.io.resolve import resolve_model

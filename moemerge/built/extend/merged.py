@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from moemerge.built.extend.recipe import depends_on_experts, loss_targets_error
+from moemerge.built.extend.tensors import check_shapes
 from moemerge.errors import MismatchError, RecipeError
 from moemerge.execute import compute
-from moemerge.finish.extend.recipe import depends_on_experts, loss_targets_error
-from moemerge.finish.extend.tensors import check_shapes
 from moemerge.io.reader import CheckpointReader
 from moemerge.io.tensor_list import DenseTensor, config_dtype, write_order
 from moemerge.plan.fused import fused_parts
