@@ -35,9 +35,9 @@ def calibrates(recipe) -> bool:
 
 def decided_later(recipe) -> list[str]:
     """What the calibration stage will decide on the written model, for --dry-run."""
-    if not calibrates(recipe):
-        return []
-    spec = recipe.calibration
+    spec = getattr(recipe, "calibration", None)
+    if not calibrates(recipe) or not isinstance(spec, CalibrationSpec):
+        return []  # (a merge of MoEs recalibrates on text alone: CalibrationText)
     scale = ("each router's scale fitted to the targets of held-out calibration windows "
              "(calibration.confidence: fit)" if spec.confidence == "fit" else
              f"scaled to a mean top-1 probability of {spec.confidence:g}")
