@@ -335,13 +335,13 @@ class _Build:
         """`experts_per_token: auto`: the routers calibrated under each k and k chosen on the
         model at `dest` (routing/top_k.py); its config, recipe copy and card written again with
         it. -> (recipe, its text, plan, the chosen k's routers and their statistics)."""
-        recipe, fitted = self.recipe, {}
+        recipe, fitted = self.recipe, {}  # k -> (its routers, their statistics)
 
         def calibrated_with(k: int):
-            fitted[k] = {}
-            model, routers = calibrated_model(recipe, dest, calibration, fitted[k],
+            stats: dict = {}
+            model, routers = calibrated_model(recipe, dest, calibration, stats,
                                               num_experts_per_tok=k)
-            fitted[k] = (routers, fitted[k])
+            fitted[k] = (routers, stats)
             return model
 
         with self.stage("calibrating the routers and choosing experts per token") as found:

@@ -235,6 +235,7 @@ def make_control(ts, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from moemerge.loading import quiet_transformers
+    from moemerge.toy.experts import train_ffns_only
     from moemerge.toy.train import token_stream, train_lm
 
     spec, start = ts.spec, time.perf_counter()
@@ -245,8 +246,7 @@ def make_control(ts, out: Path) -> None:
     with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(ts.base, dtype=torch.float32)
     if spec.expert_trains == "ffn":  # trained as the experts were: FFNs only, the rest frozen
-        for name, param in model.named_parameters():
-            param.requires_grad_(".mlp." in name)
+        train_ffns_only(model)
     # a seed the experts did not use (they took seed + 1 + i): its own batches
     losses = train_lm(model, streams, steps=steps, batch=spec.batch, seq_len=spec.seq_len,
                       lr=spec.expert_lr, seed=spec.seed + 1000)

@@ -29,9 +29,11 @@ class TopKChoice:
     chosen: int
     losses: dict[int, float]  # k -> mean held-out next-token loss (nats)
 
+    def losses_text(self) -> str:
+        return ", ".join(f"{k}: {loss:.4f}" for k, loss in self.losses.items())
+
     def describe(self) -> str:
-        scores = ", ".join(f"{k}: {loss:.4f}" for k, loss in self.losses.items())
-        return f"experts_per_token {self.chosen} (held-out loss per k: {scores})"
+        return f"experts_per_token {self.chosen} (held-out loss per k: {self.losses_text()})"
 
 
 def held_out_ids(ids: torch.Tensor) -> torch.Tensor:
@@ -74,6 +76,5 @@ def chosen_recipe_text(recipe_text: str, choice: TopKChoice) -> str:
     data = yaml.safe_load(recipe_text)
     data["experts_per_token"] = choice.chosen
     header = (f"# experts_per_token: auto chose {choice.chosen} on the held-out calibration "
-              f"windows (mean next-token loss per k: "
-              + ", ".join(f"{k}: {loss:.4f}" for k, loss in choice.losses.items()) + ")")
+              f"windows (mean next-token loss per k: {choice.losses_text()})")
     return header + "\n" + yaml.safe_dump(data, sort_keys=False, default_flow_style=None)

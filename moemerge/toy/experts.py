@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moemerge.loading import quiet_transformers
 from moemerge.progress import step_lines
@@ -37,6 +38,9 @@ from moemerge.toy.train import (
     token_stream,
     train_lm,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "FAMILIES",
@@ -194,6 +198,12 @@ def write_texts(spec, out_dir: Path, meta: dict) -> dict[str, tuple[str, str]]:
     return texts
 
 
+def train_ffns_only(model: torch.nn.Module) -> None:
+    """Freeze every parameter outside the decoder layers' FFNs (`expert_trains: ffn`)."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(".mlp." in name)
+
+
 def make_toy_experts(spec: ToySpec, out_dir: Path, progress: bool = True) -> ToySet:
     """Build a toy set for `spec` in `out_dir` (see the module docstring for the layout)."""
     if spec.expert_trains not in ("all", "ffn"):
@@ -219,8 +229,7 @@ def make_toy_experts(spec: ToySpec, out_dir: Path, progress: bool = True) -> Toy
             start = time.perf_counter()
             model = copy.deepcopy(models[parent]) if parent else init_model(config, spec.seed)
             if parent and spec.expert_trains == "ffn":
-                for name, param in model.named_parameters():
-                    param.requires_grad_(".mlp." in name)
+                train_ffns_only(model)
             losses = train_lm(
                 model,
                 data,
