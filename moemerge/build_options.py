@@ -115,12 +115,18 @@ class BuildOptions(BaseModel):
 
 def build_options(**values) -> BuildOptions:
     """BuildOptions from keyword values, a bad one a RecipeError naming its flag."""
-    unknown = sorted(set(values) - set(BuildOptions.model_fields))
+    return options_of(BuildOptions, **values)
+
+
+def options_of(model: type[BaseModel], **values):
+    """A command's options model (its fields are its flags) from keyword values, a bad one a
+    RecipeError naming its flag."""
+    unknown = sorted(set(values) - set(model.model_fields))
     if unknown:  # a caller's mistake, not a user's
-        raise TypeError(f"build options: no option {', '.join(unknown)} (options: "
-                        f"{', '.join(BuildOptions.model_fields)})")
+        raise TypeError(f"{model.__name__}: no option {', '.join(unknown)} (options: "
+                        f"{', '.join(model.model_fields)})")
     try:
-        return BuildOptions(**values)
+        return model(**values)
     except ValidationError as exc:
         raise RecipeError(_describe(exc.errors()[0])) from None
 
@@ -134,9 +140,11 @@ def tune_options(text: Path, **values) -> TuneOptions:
 
 
 def _describe(error: dict) -> str:
-    loc = [str(p) for p in error["loc"]]
+    loc = [str(p) for p in error["loc"] if not isinstance(p, int)]  # (not a list's index)
     flag = "--" + "-".join(loc).replace("_", "-").replace("tune-text", "tune-on")
     message = error["msg"].removeprefix("Value error, ")
+    if not loc:  # the whole model's check: its message names the flags
+        return message[:400]
     if error["type"] == "literal_error":
         message = f"must be {error['ctx']['expected'].replace(chr(39), '')}, got {error['input']!r}"
     return f"{flag}: {message}"[:400]

@@ -16,8 +16,8 @@ from moemerge.data import Split, read_domains
 from moemerge.errors import CheckpointError, RecipeError
 from moemerge.io.reader import read_config
 from moemerge.loading import check_seq_len
-from moemerge.modeling import is_sequence_routed
 from moemerge.modeling.routing_moemerge import sequence_nll
+from moemerge.recipe.kinds import Kind
 
 SCHEMA = "moemerge.route/1"
 
@@ -79,10 +79,7 @@ def route_prompts(model_dir: Path, prompts: list[str], *, router: str | None = N
                  (("router", router), ("num_experts_per_seq", k),
                   ("routing_temperature", temperature)) if value is not None}
     config = read_config(model_dir)
-    if not is_sequence_routed(config):
-        raise CheckpointError(f"{model_dir}: not a sequence-routed moemerge model (seq_routed or "
-                              "bridged); a token-routed MoE routes each token, see `moemerge "
-                              "inspect routing MODEL --data ...`")
+    Kind.of_config(config).require("route", model_dir)
     check_sequence_config(config, model_dir / "config.json")
     if k is not None and k > len(config["experts"]):
         raise RecipeError(f"-k {k}: the model has only {len(config['experts'])} experts")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from moemerge.architectures.forms import moe_names
 from moemerge.architectures.tables import expert_count_keys
 from moemerge.data import domain_texts
 from moemerge.errors import CheckpointError, RecipeError
@@ -38,7 +39,7 @@ from moemerge.loading import (
     load_pretrained,
     read_recipe_copy,
 )
-from moemerge.modeling import is_lora_experts, is_merged_experts, is_own_kind, is_sequence_routed
+from moemerge.recipe.kinds import Kind
 from moemerge.routing.modules import find_routers
 
 SCHEMA = "moemerge.routing/1"  # bump when a key changes meaning or disappears (docs/inspect.md)
@@ -85,33 +86,18 @@ class RoutingReport:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
 
-def routing_level(config) -> str:
-    """The report's level for an MoE config: "token", "sequence" or "weight" (module docstring)."""
-    if is_sequence_routed(config):
-        return "sequence"
-    return "weight" if is_merged_experts(config) else "token"
-
-
 def moe_shape(config, where: str) -> tuple[int, int]:
     """(num_experts, experts per token or per sequence; every expert for merged_experts) of an
     MoE config; CheckpointError for a dense one."""
-    if is_sequence_routed(config):
-        return len(config.experts), int(config.num_experts_per_seq)
-    if is_merged_experts(config):
-        return int(config.num_experts), int(config.num_experts)
-    if is_lora_experts(config):
-        return int(config.num_experts), int(config.experts_per_token)
-    keys = expert_count_keys()
-    experts = next((getattr(config, key) for key in keys if getattr(config, key, None)), None)
-    k = getattr(config, "num_experts_per_tok", None)
+    experts, k = Kind.of_config(config).shape(config)
     if not experts or not k:
+        keys = expert_count_keys()
         raise CheckpointError(
             f"{where}: not an MoE checkpoint (its config has no {' / '.join(keys)} and "
-            "num_experts_per_tok); a routing report needs a token-routed MoE such as Mixtral, "
-            "Qwen2-MoE, Qwen3-MoE or DeepSeek-MoE (for task vectors, give BASE EXPERT... "
-            "without --data)"
+            f"num_experts_per_tok); a routing report needs an MoE such as {moe_names()} "
+            "(for task vectors, give BASE EXPERT... without --data)"
         )
-    return int(experts), int(k)
+    return experts, k
 
 
 @torch.no_grad()
@@ -131,7 +117,7 @@ def routing_report(
     `prompt_tokens` reads each window as `perplexity` does (a prompt, then the rest through
     the KV cache). `labels` name the experts (numbered when absent or of the wrong length)."""
     num_experts, k = moe_shape(model.config, name or type(model).__name__)
-    level = routing_level(model.config)
+    level = Kind.of_config(model.config).routing
     routers = {"sequence": lambda: [(0, model)], "weight": lambda: list(enumerate(model.mlps())),
                "token": lambda: token_routers(model, num_experts)}[level]()
     if not routers:
@@ -223,7 +209,8 @@ def expert_labels(model_dir: Path, num_experts: int) -> list[str]:
         config = read_config(model_dir)
     except CheckpointError:
         config = {}  # labels are a nicety: numbered experts will do
-    if is_own_kind(config) and len(config.get("expert_names") or []) == num_experts:
+    if Kind.of_config(config).remote_code and len(config.get("expert_names") or []) == \
+            num_experts:
         return list(config["expert_names"])
     recipe = read_recipe_copy(model_dir)
     try:

@@ -33,10 +33,11 @@ def layout_of(config: dict) -> MoELayout | None:
                  if lay.model_type == config.get("model_type")), None)
 
 
-def moe_names() -> str:
-    """The MoE families moemerge reads, for messages ("Mixtral, Qwen2Moe, ...")."""
+def moe_names(built: bool = False) -> str:
+    """The MoE families moemerge reads (`built`: writes), for messages ("Mixtral, Qwen2Moe,
+    ...")."""
     return ", ".join(lay.architecture.removesuffix("ForCausalLM")
-                     for lay in moe_layouts().values())
+                     for lay in moe_layouts().values() if lay.builds or not built)
 
 
 def name_pattern(template: str) -> re.Pattern:

@@ -19,7 +19,7 @@ from moemerge.io.atomic import RECIPE_COPY, SIDE_FILES, atomic_output_dir, copy_
 from moemerge.io.reader import CheckpointReader, read_config
 from moemerge.io.writer import ShardedWriter, finite
 from moemerge.loading import load_pretrained
-from moemerge.modeling import is_merged_experts
+from moemerge.recipe.kinds import Kind
 
 CURVATURE = ".mlp.curvature."
 KEEP = (*SIDE_FILES, RECIPE_COPY)
@@ -30,9 +30,7 @@ def bake_curvature(model_dir: Path, out: Path, *, force: bool = False,
     """Write the baked model to `out` (atomically); return the names of the baked tensors."""
     model_dir, out = Path(model_dir), Path(out)
     config = read_config(model_dir)
-    if not is_merged_experts(config):
-        raise CheckpointError(f"{model_dir}: not a merged-experts model (model_type "
-                          f"{config.get('model_type')!r}); only those have curvature to export")
+    Kind.of_config(config).require("bake", model_dir)  # only merged experts have curvature
     if config.get("curvature") == "none":
         raise CheckpointError(f"{model_dir}: has no curvature (curvature: none); nothing to bake")
     with CheckpointReader(model_dir) as reader:

@@ -137,6 +137,18 @@ def reports_errors(command: Callable) -> Callable:
     return run
 
 
+def described(model: type, name: str, *decls: str, more: str = "", **extra):
+    """The typer option of field `name` of pydantic model `model` (the command's options: the
+    recipe or options model it fills), its help the field's description (+ `more`)."""
+    info = model.__pydantic_fields__[name]
+    return typer.Option(*decls, help=info.description + more, **extra)
+
+
+def defaults(model: type) -> dict:
+    """{field: default} of a pydantic model: the options' defaults, as the model has them."""
+    return {name: info.default for name, info in model.__pydantic_fields__.items()}
+
+
 def at_most(option: str, value: int, bound: int, what: str) -> None:
     """A length or count option past its bound (moemerge/bounds.py) is a usage error naming
     the bound, before any work."""

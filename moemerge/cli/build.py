@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 
 from moemerge.build_options import BuildOptions, TuneOptions, build_options, tune_options
-from moemerge.cli.app import app, err, out, reports_errors
+from moemerge.cli.app import app, defaults, described, err, out, reports_errors
 from moemerge.merge.registry import METHOD_SPECS
 from moemerge.words import duration, plural
 
@@ -23,13 +23,10 @@ RecipeArg = Annotated[
 
 def Option(name: str, *decls: str, model=BuildOptions, **extra):  # noqa: N802 - reads as typer's
     """The typer option of field `name` of BuildOptions (or TuneOptions), described by it."""
-    info = model.__pydantic_fields__[name]
-    return typer.Option(*decls, help=info.description + extra.pop("more", ""), **extra)
+    return described(model, name, *decls, **extra)
 
 
-# the defaults
-D, T = ({name: info.default for name, info in model.__pydantic_fields__.items()}
-        for model in (BuildOptions, TuneOptions))
+D, T = defaults(BuildOptions), defaults(TuneOptions)
 
 
 def _listed(values: tuple[float, ...]) -> str:

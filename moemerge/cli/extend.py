@@ -8,8 +8,18 @@ from typing import Annotated
 
 import typer
 
-from moemerge.cli.app import app, out, reports_errors
+from moemerge.architectures.forms import moe_names
+from moemerge.build_options import options_of
+from moemerge.built.options import ExtendOptions
+from moemerge.cli.app import app, defaults, described, out, reports_errors
 from moemerge.words import plural
+
+D = defaults(ExtendOptions)
+
+
+def Option(name: str, *decls: str, **extra):  # noqa: N802 - reads as typer's
+    """The typer option of ExtendOptions field `name`, described by it."""
+    return described(ExtendOptions, name, *decls, **extra)
 
 
 @app.command()
@@ -17,42 +27,18 @@ from moemerge.words import plural
 def extend(
     model: Annotated[Path, typer.Argument(help="An MoE built by `moemerge build` (token_routed "
                                           "with router.init: calibrate, seq_routed or "
-                                          "merged_experts), or a Mixtral, Qwen2-MoE, "
-                                          "Qwen3-MoE, FlexOlmo or GraniteMoE it did not build.",
-                                          show_default=False)],
+                                          "merged_experts), or one of a layout moemerge "
+                                          "writes that it did not build "
+                                          f"({moe_names(built=True)}).", show_default=False)],
     output: Annotated[Path, typer.Argument(help="Where the extended MoE goes.",
                                            show_default=False)],
-    expert: Annotated[list[Path], typer.Option(
-        "--expert", help="A dense model fine-tuned from the MoE's base (repeat for several); "
-        "its FFN joins every layer as a new expert (seq_routed: its whole decoder stack; "
-        "merged_experts: its FFN weights join every layer's experts).", show_default=False)],
-    name: Annotated[list[str] | None, typer.Option(
-        "--name", help="The new expert's name, one per --expert in order (default: its "
-        "directory's name).", show_default=False)] = None,
-    calibration: Annotated[list[str] | None, typer.Option(
-        "--calibration", help="The new expert's calibration text, NAME=PATH (or a bare PATH "
-        "per --expert in order), in the forms `finetune --data` reads. Without --recalibrate "
-        "only this text runs through the model. Only for calibrated routers. For an MoE "
-        "moemerge did not build, also the text its own experts keep, moe=PATH.",
-        show_default=False)] = None,
-    recalibrate: Annotated[bool, typer.Option(
-        "--recalibrate", help="Exact: calibrate every router again, layer by layer as `build` "
-        "does, on all the calibration text (the recipe copy's, which must still exist, and "
-        "the new experts'): the routers a rebuild gets, for the old text's forwards. Without "
-        "it, only layer 0's router is a rebuild's; deeper ones are fitted on the old model's "
-        "hidden states. Needed for a calibrated seq_routed or merged_experts router (build "
-        "keeps no statistics for them). Implied where the shared tensors are merged again "
-        "(see --keep-shared).")] = False,
-    keep_shared: Annotated[bool, typer.Option(
-        "--keep-shared", help="Keep the shared tensors as built (token_routed and "
-        "merged_experts: attention, norms, embedding and head; seq_routed: the embedding and "
-        "head not kept per expert): the old experts compute as before and the new ones join "
-        "the recipe copy with weight 0. Without it, where the recipe's merge reads every "
-        "expert (any method but `base`, or shared_expert: average), they are merged again "
-        "with the new experts as a rebuild merges them (the base and old experts are read "
-        "where the recipe copy names them) and calibrated routers are calibrated again on "
-        "all the text.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
+    expert: Annotated[list[Path], Option("expert", "--expert", show_default=False)],
+    name: Annotated[list[str] | None, Option("name", "--name", show_default=False)] = None,
+    calibration: Annotated[list[str] | None, Option("calibration", "--calibration",
+                                                    show_default=False)] = None,
+    recalibrate: Annotated[bool, Option("recalibrate", "--recalibrate")] = D["recalibrate"],
+    keep_shared: Annotated[bool, Option("keep_shared", "--keep-shared")] = D["keep_shared"],
+    force: Annotated[bool, Option("force", "--force")] = D["force"],
 ) -> None:
     """Add experts to an MoE, built by moemerge or not, without rebuilding it.
 
@@ -81,13 +67,16 @@ def extend(
     from moemerge.io.atomic import sweep_output
     from moemerge.io.outputs import check_output, local_inputs
 
+    options = options_of(ExtendOptions, expert=expert, name=name, calibration=calibration,
+                         recalibrate=recalibrate, keep_shared=keep_shared, force=force)
     sweep_output(output)  # what a killed extend left, even if this one fails
     inputs = [("the input model", model), *local_inputs("an --expert model", expert),
               *local_inputs("a --calibration text", calibration or [])]
     check_output(output, inputs, force=force, directory=True)
     from moemerge.built.extend.command import extend_moe  # torch: after the checks that need none
-    done = extend_moe(model, output, expert, names=name, calibration=calibration,
-                      keep_shared=keep_shared, recalibrate=recalibrate, force=force)
+    done = extend_moe(model, output, options.expert, names=options.name,
+                      calibration=options.calibration, keep_shared=options.keep_shared,
+                      recalibrate=options.recalibrate, force=options.force)
     out.print(f"[green]extended[/] {model} to {output}: experts {', '.join(done.experts)}; "
               f"{plural(done.tensors, 'tensor')}, {done.bytes / 2**20:.1f} MiB")
     for note in done.notes:

@@ -7,20 +7,19 @@ from typing import Annotated, Optional
 
 import typer
 
-from moemerge.cli.app import app, err, out, reports_errors
+from moemerge.cli.app import app, defaults, described, err, out, reports_errors
 from moemerge.train.config import TrainConfig, field_default
 
 # options that are not TrainConfig fields (--router-only / --full / --train make `train`)
 NOT_FIELDS = {"config", "router_only", "full", "quiet"}
 
 
-D = {name: info.default for name, info in TrainConfig.model_fields.items()}  # the defaults
+D = defaults(TrainConfig)
 
 
 def Field(name: str, *decls: str):  # noqa: N802 - reads as the option it declares
     """The typer option of TrainConfig field `name`, described by the field."""
-    return typer.Option(*decls, help=TrainConfig.model_fields[name].description,
-                        show_default=field_default(name) is not None)
+    return described(TrainConfig, name, *decls, show_default=field_default(name) is not None)
 
 
 def _typed(ctx: typer.Context, name: str) -> bool:

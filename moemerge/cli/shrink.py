@@ -1,4 +1,5 @@
-"""`moemerge shrink`: fewer experts per layer for a token-routed MoE."""
+"""`moemerge shrink`: fewer experts per layer for a token-routed MoE. Its options are the fields
+of the `kind: shrink` recipe it writes as the output's recipe copy (recipe/shrink.py)."""
 
 from __future__ import annotations
 
@@ -7,48 +8,38 @@ from typing import Annotated
 
 import typer
 
-from moemerge.cli.app import app, out, reports_errors
+from moemerge.cli.app import app, defaults, described, out, reports_errors
+from moemerge.recipe.base import CalibrationText
+from moemerge.recipe.shrink import ShrinkRecipe
+
+S, C = defaults(ShrinkRecipe), defaults(CalibrationText)
+
+
+def Option(name: str, *decls: str, **extra):  # noqa: N802 - reads as typer's
+    """The typer option of ShrinkRecipe field `name` (or its calibration's), described by it."""
+    model = ShrinkRecipe if name in ShrinkRecipe.__pydantic_fields__ else CalibrationText
+    return described(model, name, *decls, **extra)
 
 
 @app.command()
 @reports_errors
 def shrink(
-    model: Annotated[Path, typer.Argument(help="A token-routed MoE: Mixtral, Qwen2-MoE, "
-                                          "Qwen3-MoE, FlexOlmo or GraniteMoE, built by moemerge "
-                                          "or not.", show_default=False)],
+    model: Annotated[Path, typer.Argument(help=ShrinkRecipe.__pydantic_fields__["model"]
+                                          .description, show_default=False)],
     output: Annotated[Path, typer.Argument(help="Where the shrunk MoE goes.",
                                            show_default=False)],
-    calibration: Annotated[list[str], typer.Option(
-        "--calibration", help="Calibration text, in the forms --data takes everywhere (a "
-        ".txt or .jsonl file, a directory, name=path; docs/data.md); repeatable. The "
-        "statistics and the router repair are computed on it.", show_default=False)],
-    experts: Annotated[int | None, typer.Option(
-        "--experts", help="Experts kept per layer, K (at most the MoE's; below "
-        "experts_per_token, that is clipped to K).", show_default=False)] = None,
-    ratio: Annotated[float | None, typer.Option(
-        "--ratio", help="Instead of --experts: the share of the experts kept, in (0, 1], "
-        "rounded, at least 1.", show_default=False)] = None,
-    method: Annotated[str, typer.Option(
-        "--method", help="merge: cluster the experts by the cosine similarity of their "
-        "outputs into K groups and average each group's weights, weighted by saliency (the "
-        "default: on a real 4-expert MoE it lost the least at every K, docs/shrink.md). prune: "
-        "keep the K most salient experts of each layer.")] = "merge",
-    saliency: Annotated[str, typer.Option(
-        "--saliency", help="reap: mean over the tokens routed to an expert of gate weight "
-        "times the norm of the vector the expert computes (REAP, Lasby et al. 2025). "
-        "frequency: its share of the top-k slots.")] = "reap",
-    merge_method: Annotated[str, typer.Option(
-        "--merge-method", help="With --method merge: how a group's experts become one. "
-        "weighted: their saliency-weighted mean; or a merge method that needs no base model "
-        "(karcher, multislerp, average; slerp and nuslerp for groups of two), given the "
-        "saliency weights where it takes weights.")] = "weighted",
-    no_repair: Annotated[bool, typer.Option(
-        "--no-repair", help="Keep the kept (or frequency-averaged) router rows instead of "
-        "refitting each router to the original model's routing.")] = False,
-    max_tokens: Annotated[int, typer.Option(
-        "--max-tokens", help="Calibration tokens read per domain.")] = 4096,
-    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per calibration "
-                                         "window.")] = 128,
+    calibration: Annotated[list[str], Option("calibration", "--calibration",
+                                             more=" Repeatable.", show_default=False)],
+    experts: Annotated[int | None, Option("experts", "--experts", show_default=False)] = None,
+    ratio: Annotated[float | None, Option("ratio", "--ratio", show_default=False)] = None,
+    method: Annotated[str, Option("method")] = S["method"],  # checked by the recipe
+    saliency: Annotated[str, Option("saliency")] = S["saliency"],
+    merge_method: Annotated[str, Option("merge_method")] = S["merge_method"],
+    repair: Annotated[bool, Option("repair", "--repair/--no-repair")] = S["repair"],
+    merge_sample: Annotated[int, Option("merge_sample")] = S["merge_sample"],
+    max_tokens: Annotated[int, Option("max_tokens")] = C["max_tokens"],
+    seq_len: Annotated[int, Option("seq_len")] = C["seq_len"],
+    text_field: Annotated[str, Option("text_field")] = C["text_field"],
     force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on "
                                         "stderr.")] = False,
@@ -66,8 +57,9 @@ def shrink(
     from moemerge.recipe.load import parse_recipe
 
     data = {"kind": "shrink", "model": str(model), "method": method, "saliency": saliency,
-            "merge_method": merge_method, "repair": not no_repair,
-            "calibration": {"data": calibration, "max_tokens": max_tokens, "seq_len": seq_len}}
+            "merge_method": merge_method, "repair": repair, "merge_sample": merge_sample,
+            "calibration": {"data": calibration, "max_tokens": max_tokens, "seq_len": seq_len,
+                            "text_field": text_field}}
     data |= {k: v for k, v in (("experts", experts), ("ratio", ratio)) if v is not None}
     recipe = parse_recipe(data, "options")
     if not model.is_dir():

@@ -144,8 +144,9 @@ def layer_ffn(reader: CheckpointReader, layout: MoELayout, layer: int, expert: i
     return tuple(grown), dtype, lambda: torch.cat([read(), shared[2]()], axis)
 
 
-def extract_token_routed(reader: CheckpointReader, config: dict, layout: MoELayout,
-                         expert: int, label: str) -> Extraction:
+def extract_token_routed(reader: CheckpointReader, config: dict, expert: int,
+                         label: str) -> Extraction:
+    layout = layout_of(config)
     family, model_type = source_family(layout, config)
     ffn_names = {role.partition(".")[2]: rest for rest, role in family.layer_tensors.items()
                  if role.startswith("ffn.")}
@@ -202,7 +203,7 @@ class ExpertReader(DerivedReader):
         if expert >= count:
             raise CheckpointError(f"{where}: expert: {expert}, but it has {count} experts per "
                                   f"layer (0 to {count - 1})")
-        extraction = extract_token_routed(moe, moe.config, layout, expert, label)
+        extraction = extract_token_routed(moe, moe.config, expert, label)
         self.moe, self.directory, self.config = moe, moe.directory, extraction.config
         self.form, self.allow_pickle = None, moe.allow_pickle
         self._tensors = {t.name: t for t in extraction.tensors}

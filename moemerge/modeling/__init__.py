@@ -40,30 +40,3 @@ def register() -> None:
                                       (DEEPSEEK_MODEL_TYPE, DeepseekConfig, DeepseekForCausalLM)):
         AutoConfig.register(model_type, config, exist_ok=True)
         AutoModelForCausalLM.register(config, model, exist_ok=True)
-
-
-def _model_type(config) -> str | None:
-    """model_type of a config.json dict or a config object."""
-    if isinstance(config, dict):
-        return config.get("model_type")
-    return getattr(config, "model_type", None)
-
-
-def is_sequence_routed(config) -> bool:
-    """True for a config of moemerge's seq_routed / bridged kinds (a dict or a config object)."""
-    return _model_type(config) == MODEL_TYPE
-
-
-def is_merged_experts(config) -> bool:
-    """True for a config of moemerge's merged_experts kind (a dict or a config object)."""
-    return _model_type(config) == MERGED_MODEL_TYPE
-
-
-def is_lora_experts(config) -> bool:
-    """True for a config of moemerge's lora_experts kind (a dict or a config object)."""
-    return _model_type(config) == LORA_MODEL_TYPE
-
-
-def is_own_kind(config) -> bool:
-    """A model of moemerge's own kinds: loaded with the installed code, never a model dir's."""
-    return _model_type(config) in (MODEL_TYPE, MERGED_MODEL_TYPE, LORA_MODEL_TYPE)

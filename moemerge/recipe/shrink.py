@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from moemerge.architectures.forms import moe_names
 from moemerge.bounds import MAX_EXPERTS, MAX_SEQ_LEN
 from moemerge.merge.registry import REGISTRY
 from moemerge.recipe.base import CalibrationText, ModelRef, RecipeBase, refs_from_str
@@ -28,28 +29,39 @@ def group_methods() -> list[str]:
 
 class ShrinkRecipe(RecipeBase):
     kind: Literal["shrink"]
-    model: ModelRef = Field(description="The token-routed MoE to shrink (Mixtral, Qwen2-MoE, "
-                            "Qwen3-MoE, FlexOlmo, GraniteMoE), built by moemerge or not.")
+    model: ModelRef = Field(description=f"A token-routed MoE ({moe_names()}), built by "
+                            "moemerge or not.")
     experts: int | None = Field(default=None, ge=1, le=MAX_EXPERTS, description="Experts kept per "
-                                "layer (or `ratio`).")
-    ratio: float | None = Field(default=None, gt=0.0, le=1.0, description="Share of the "
-                                "experts kept per layer, rounded, at least 1 (or `experts`).")
-    method: Method = Field(default="merge", description="merge: cluster similar experts and "
-                           "average each cluster; prune: keep the most salient experts.")
-    saliency: Saliency = Field(default="reap", description="reap: mean gate weight × expert "
-                               "output norm over the tokens routed to the expert (Lasby et "
-                               "al. 2025); frequency: share of the top-k slots.")
-    calibration: CalibrationText = Field(description="The text the statistics (and the router "
-                                         "repair) are computed on.")
-    merge_method: str = Field(default=WEIGHTED, description="merge: how a group's experts "
-                              "become one: weighted (their saliency-weighted mean), or a merge "
-                              "method that needs no base (karcher, multislerp, average; slerp "
-                              "and nuslerp for groups of two), given the saliency weights "
-                              "where it takes weights.")
-    repair: bool = Field(default=True, description="Refit each router by ridge regression to "
-                         "the original model's routing mapped onto the kept experts.")
-    merge_sample: int = Field(default=512, ge=1, le=MAX_SEQ_LEN, description="merge: tokens per "
-                              "layer on which every expert's output is compared.")
+                                "layer, K (at most the MoE's; below experts_per_token, that is "
+                                "clipped to K). Or `ratio`.")
+    ratio: float | None = Field(default=None, gt=0.0, le=1.0, description="Instead of `experts`: "
+                                "the share of the experts kept per layer, in (0, 1], rounded, "
+                                "at least 1.")
+    method: Method = Field(default="merge", description="merge: cluster the experts by the "
+                           "cosine similarity of their outputs into K groups and average each "
+                           "group's weights, weighted by saliency (the default: on a real "
+                           "4-expert MoE it lost the least at every K, docs/shrink.md). prune: "
+                           "keep the K most salient experts of each layer.")
+    saliency: Saliency = Field(default="reap", description="reap: mean over the tokens routed to "
+                               "an expert of gate weight times the norm of the vector the "
+                               "expert computes (REAP, Lasby et al. 2025). frequency: its share "
+                               "of the top-k slots.")
+    calibration: CalibrationText = Field(description="Calibration text, in the forms --data "
+                                         "takes everywhere (a .txt or .jsonl file, a directory, "
+                                         "name=path; docs/data.md): the statistics and the "
+                                         "router repair are computed on it.")
+    merge_method: str = Field(default=WEIGHTED, description="With method merge: how a group's "
+                              "experts become one. weighted: their saliency-weighted mean; or "
+                              "a merge method that needs no base model (karcher, multislerp, "
+                              "average; slerp and nuslerp for groups of two), given the "
+                              "saliency weights where it takes weights.")
+    repair: bool = Field(default=True, description="Refit each router (ridge regression, as "
+                         "router.init calibrate) to the original model's routing mapped onto "
+                         "the experts kept; off: keep the kept (or frequency-averaged) router "
+                         "rows.")
+    merge_sample: int = Field(default=512, ge=1, le=MAX_SEQ_LEN, description="With method "
+                              "merge: tokens per layer on which every expert's output is "
+                              "compared.")
 
     _model_ref = field_validator("model", mode="before")(refs_from_str)
 

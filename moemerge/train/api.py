@@ -20,7 +20,7 @@ from moemerge.io.outputs import check_output
 from moemerge.io.paths import check_output_apart, working_directory
 from moemerge.io.reader import CheckpointReader
 from moemerge.loading import check_seq_len, load_causal_lm
-from moemerge.modeling import is_own_kind
+from moemerge.recipe.kinds import Kind
 from moemerge.token_blocks import Blocks, make_blocks
 from moemerge.train import checkpoint, distributed, loop, report, sharding
 from moemerge.train.aux_loss import default_aux_loss_coef
@@ -50,7 +50,7 @@ class FinetuneResult:
 
 def _load(cfg: TrainConfig, device: torch.device):
     with CheckpointReader(Path(cfg.model)) as reader:  # clear errors for a missing/truncated one
-        ours = is_own_kind(reader.config)
+        ours = Kind.of_config(reader.config).remote_code
     # moemerge's own kinds load with the installed code, never the model dir's; other code
     # from the model dir only with --trust-remote-code
     trust = cfg.trust_remote_code and not ours

@@ -1,6 +1,7 @@
-"""Which parameters train, found by module structure, and where each lives on disk.
+"""Which parameters train, found by module structure, and where each lives on disk. Where a
+kind's routers live is its entry's `router_modules` in the table of kinds (recipe/kinds.py).
 
-Token-routed MoE (Mixtral, Qwen2-MoE, Qwen3-MoE, FlexOlmo, GraniteMoE): an MoE block is a module
+Token-routed MoE (every layout of moe.yaml): an MoE block is a module
 with a `gate` (GraniteMoE: `router`; a module whose weight is [experts, hidden]) and an `experts`
 child (in transformers 5 the experts are fused in memory but the router stays its own module;
 transformers 4's GraniteMoE has no `experts`, so it is not found there); "routers" = every
@@ -25,10 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from moemerge.architectures.forms import layout_of, name_pattern
+from moemerge.architectures.forms import layout_of, moe_names, name_pattern
 from moemerge.architectures.tables import MoELayout
 from moemerge.errors import MismatchError, OutputError, RecipeError
-from moemerge.modeling import is_merged_experts, is_sequence_routed
+from moemerge.recipe.kinds import Kind
 
 PROJECTOR_NAMES = ("proj_in", "proj_out")
 # config keys of the token-routed MoEs whose forward returns a load-balancing loss (aux_loss):
@@ -52,24 +53,37 @@ def moe_blocks(model: torch.nn.Module, router: str = "gate") -> dict[str, torch.
 
 def router_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """{name: router module} in layer order; the routers' weights are [experts, hidden]."""
-    own = getattr(model, "router_modules", None)  # a shipped class that lists its own
-    if callable(own):
-        return own()
-    if is_sequence_routed(model.config):
-        return {"router": model.router}
-    if is_merged_experts(model.config):  # one per FFN
-        return {f"{name}.router": b.router for name, b in moe_blocks(model, "router").items()}
-    # token-routed: the router is `gate` (Mixtral, Qwen MoEs, FlexOlmo) or `router` (GraniteMoE)
+    return Kind.of_config(model.config).load("router_modules")(model)
+
+
+def gated_routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Token-routed (and any model not known to be another kind): the router is `gate` (Mixtral,
+    Qwen MoEs, FlexOlmo) or `router` (GraniteMoE) next to `experts`; none in a dense model."""
     attr = "gate" if moe_blocks(model) else "router"
     return {f"{name}.{attr}": getattr(block, attr)
             for name, block in moe_blocks(model, attr).items()}
+
+
+def sequence_router(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {"router": model.router}
+
+
+def merged_routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """One router per FFN."""
+    return {f"{name}.router": b.router for name, b in moe_blocks(model, "router").items()}
+
+
+def listed_routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """A shipped class that lists its own (LoRA experts: one router per adapted module)."""
+    return model.router_modules()
 
 
 def learned_routing(model: torch.nn.Module) -> bool:
     """False for a sequence-routed model routed by perplexity or task vectors: its router has
     nothing to train, and a training step can leave trainable parameters without a gradient
     (the unused router weights, a kept base, experts no sequence went to)."""
-    return not is_sequence_routed(model.config) or model.config.router == "learned"
+    return Kind.of_config(model.config).routing != "sequence" or \
+        model.config.router == "learned"
 
 
 def _check_router_trains(model: torch.nn.Module, where: str) -> None:
@@ -102,9 +116,9 @@ def select_trainable(model: torch.nn.Module, parts: list[str], where: str) -> li
         raise MismatchError(
             f"{where} is not an MoE: no MoE block with a router (a `gate` or `router` next to "
             f"`experts`) in {type(model).__name__}, so it has no {', '.join(parts)} to train. "
-            "finetune trains parts of MoE models such as those `moemerge build` makes (Mixtral, "
-            "Qwen2-MoE, Qwen3-MoE, seq_routed, bridged, merged_experts); a dense model trains "
-            "whole with --full (e.g. the compute-matched control of an MoE).")
+            f"finetune trains parts of MoE models such as those `moemerge build` makes ("
+            f"{moe_names()}, seq_routed, bridged, merged_experts, lora_experts); a dense model "
+            "trains whole with --full (e.g. the compute-matched control of an MoE).")
     prefixes = []
     if "routers" in parts:
         _check_router_trains(model, where)
@@ -123,17 +137,18 @@ def select_trainable(model: torch.nn.Module, parts: list[str], where: str) -> li
 def check_aux_loss(model: torch.nn.Module, coef: float, where: str) -> None:
     """--aux-loss-coef needs router logits to balance: refused for routing that is not learned
     (the model returns no aux_loss), rather than silently training without it."""
+    routing = Kind.of_config(model.config).routing
     if coef > 0 and not router_modules(model):
         raise RecipeError(f"--aux-loss-coef {coef}: {where} is dense; there is no router to "
                           "balance; leave it at 0")
-    if coef > 0 and is_merged_experts(model.config):
+    if coef > 0 and routing == "weight":
         raise RecipeError(f"--aux-loss-coef {coef}: {where} merges every expert per segment; "
                           "there is no top-k load to balance; leave it at 0")
     if coef > 0 and not learned_routing(model):
         raise RecipeError(f"--aux-loss-coef {coef}: {where} routes sequences by "
                           f"{model.config.router}, which has no router logits to balance; "
                           "leave it at 0")
-    if coef > 0 and not is_sequence_routed(model.config) and not any(
+    if coef > 0 and routing == "token" and not any(
             hasattr(model.config, key) for key in BALANCE_KEYS):
         why = (" (transformers' DeepSeek-V2 / V3 train without one; V3 balances its experts "
                "with a per-expert routing bias, e_score_correction_bias, which finetune keeps "

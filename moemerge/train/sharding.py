@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from moemerge.errors import RecipeError
-from moemerge.modeling import is_merged_experts, is_sequence_routed
+from moemerge.recipe.kinds import Kind
 from moemerge.train.distributed import Dist
 
 try:  # public from torch 2.5; older versions have no FSDP2, hence no sharded tensors
@@ -61,7 +61,7 @@ def shard_model(model: torch.nn.Module, ctx: Dist) -> torch.nn.Module:
 
 def _layer_groups(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules sharded as groups of their own, before the root (see the module docstring)."""
-    if is_sequence_routed(model.config) or is_merged_experts(model.config):
+    if not Kind.of_config(model.config).layer_shards:
         # one group: sequence routing runs different experts on different ranks, and merged
         # experts compute every layer's merged weights before the backbone runs
         return []

@@ -218,5 +218,6 @@ def test_export_sweeps_dead_temp_dirs(tiny_moe, tmp_path):
         d.mkdir()
     result = CliRunner().invoke(app, ["bake", str(tiny_moe), str(tmp_path / "out")])
     # the wrong model kind: exit 1, as in `route` and `inspect --data`
-    assert result.exit_code == 1 and "not a merged-experts model" in result.output, result.output
+    assert result.exit_code == 1 and "`moemerge bake` takes only merged_experts" \
+        in result.output, result.output
     assert not stale.exists() and alive.exists()

@@ -251,7 +251,8 @@ def test_extract_gives_the_expert_as_peft_would(llama, adapters, built, tmp_path
     other = peft.PeftModel.from_pretrained(load(llama), adapters[0]).eval()
     assert (logits(again) - logits(other)).abs().max() > 1e-3
     code, output = run("extract", llama, tmp_path / "x", "--expert", "0", "--lora", "stored")
-    assert code == 2 and "not an MoE of LoRA experts" in output, output
+    assert code == 2 and "`moemerge extract --lora stored` takes only lora_experts" \
+        in output, output
 
 
 def test_dry_run_says_what_each_stack_is_made_of(llama, adapters, tmp_path):

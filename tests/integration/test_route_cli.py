@@ -129,7 +129,8 @@ def test_route_refuses_token_routed_models_and_bad_jsonl(model_factory, tmp_path
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"text": "hi"}\n')
     result = runner.invoke(app, ["route", str(tmp_path / "mixtral"), str(prompts)])
-    assert result.exit_code == 1 and "token-routed MoE routes each token" in result.output
+    assert result.exit_code == 1 and "is a token-routed MoE (Mixtral / Qwen-MoE layout); " \
+        "`moemerge route` takes only seq_routed and bridged models" in result.output
     prompts.write_text('{"txt": "hi"}\n')
     result = runner.invoke(app, ["route", str(seq_moe), str(prompts)])
     assert result.exit_code == 2 and "p.jsonl:1: no string field 'text' (--text-field)" in \

@@ -28,13 +28,14 @@ import json
 import math
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import torch
 
 from moemerge.analysis.routing import expert_labels
-from moemerge.architectures.forms import layout_of
+from moemerge.architectures.forms import layout_of, moe_names
 from moemerge.architectures.tables import MoELayout
 from moemerge.built.extend import merged, seq_routed
 from moemerge.built.extend.recipe import (
@@ -62,10 +63,9 @@ from moemerge.io.reader import CheckpointReader, read_config
 from moemerge.io.tensor_list import written_in
 from moemerge.io.writer import ShardedWriter, finite, overwrite_tensors, parse_size
 from moemerge.loading import check_seq_len, check_tokenizer_fits, vocab_rows
-from moemerge.modeling import is_merged_experts, is_sequence_routed
 from moemerge.plan.sources import SourceModel, open_sources, resolve_ref
 from moemerge.recipe.base import CalibrationText, ModelRef
-from moemerge.recipe.kinds import labelled_refs
+from moemerge.recipe.kinds import Kind, labelled_refs
 from moemerge.routing.calibrate import Calibration, calibrate_token_routers
 from moemerge.routing.calibration import (
     calibrates,
@@ -113,11 +113,22 @@ def extend_moe(moe: Path, out: Path, experts: list[Path], *, names: list[str] | 
     experts, which implies recalibrate."""
     moe, out = Path(moe), Path(out)
     config = read_config(moe)
+    grow = Kind.of_config(config).command("extend", moe)  # its kind's, recipe/kinds.py
+    return grow(moe, out, experts, config, names=names, calibration=calibration,
+                keep_shared=keep_shared, recalibrate=recalibrate, force=force, verify=verify)
+
+
+def extend_token_routed(moe: Path, out: Path, experts: list[Path], config: dict, *,
+                        names: list[str] | None, calibration: list[str] | None,
+                        keep_shared: bool, recalibrate: bool, force: bool,
+                        verify: bool) -> Extended:
+    """A token-routed MoE: one moemerge built (its recipe copy and router statistics), or one of
+    a layout it reads that it did not build (`_extend_foreign`)."""
     layout = layout_of(config)
     if layout is None:
-        return _extend_assembly(moe, out, experts, config, names=names,
-                                calibration=calibration, keep_shared=keep_shared,
-                                recalibrate=recalibrate, force=force, verify=verify)
+        raise CheckpointError(f"{moe}: model_type {config.get('model_type')!r}: extend grows a "
+                              f"token-routed MoE of a layout moemerge writes "
+                              f"({moe_names(built=True)})")
     if not (moe / RECIPE_COPY).is_file():
         return _extend_foreign(moe, out, experts, config, layout, names=names,
                                calibration=calibration, recalibrate=recalibrate, force=force,
@@ -181,8 +192,7 @@ def _extend_foreign(moe: Path, out: Path, experts: list[Path], config: dict, lay
         raise CheckpointError(
             f"{moe}: {layout.architecture}: extend adds a dense model's FFN as an expert, and "
             f"no dense model family has {layout.name}'s attention and norms (no dense model is "
-            "fine-tuned from its base); extend grows Mixtral, Qwen2-MoE, Qwen3-MoE, FlexOlmo, "
-            "GraniteMoE and GraniteMoeShared MoEs")
+            f"fine-tuned from its base); extend grows {moe_names(built=True)} MoEs")
     if recalibrate:
         raise RecipeError(f"--recalibrate: {moe} has no {RECIPE_COPY} (not built by moemerge), "
                           "so there is no calibration text of its own to calibrate again on: "
@@ -300,18 +310,6 @@ def _remerged(changing: list[str], remerge: Remerge | None) -> str:
             "recipe copy merges them (--keep-shared keeps them as built)")
 
 
-def _assembly(config: dict, moe: Path):
-    """The module that grows this kind: built/extend/seq_routed.py or merged.py."""
-    if is_merged_experts(config):
-        return merged
-    if is_sequence_routed(config):
-        seq_routed.refuse_other(config, moe)
-        return seq_routed
-    raise CheckpointError(f"{moe}: model_type {config.get('model_type')!r}: extend grows an MoE "
-                          "that `moemerge build` made: token_routed (Mixtral, Qwen2-MoE, "
-                          "Qwen3-MoE, FlexOlmo, GraniteMoE), seq_routed or merged_experts")
-
-
 def _refuse_trained(moe: Path) -> None:
     if (moe / TRAINING_DIR).exists():
         raise CheckpointError(f"{moe}: trained by `moemerge finetune` after the build "
@@ -320,17 +318,19 @@ def _refuse_trained(moe: Path) -> None:
                               "training; extend the model `build` wrote, then train again")
 
 
-def _extend_assembly(moe: Path, out: Path, experts: list[Path], config: dict, *,
-                     names: list[str] | None, calibration: list[str] | None, keep_shared: bool,
-                     recalibrate: bool, force: bool, verify: bool) -> Extended:
-    """seq_routed and merged_experts: build keeps no router statistics for them, so a
-    calibrated router is calibrated again on all the text (--recalibrate); every other router
-    is the random draw a rebuild makes."""
-    kind = _assembly(config, moe)
+def _extend_assembly(assembly: ModuleType, moe: Path, out: Path, experts: list[Path],
+                     config: dict, *, names: list[str] | None, calibration: list[str] | None,
+                     keep_shared: bool, recalibrate: bool, force: bool,
+                     verify: bool) -> Extended:
+    """seq_routed and merged_experts, grown by `assembly` (built/extend/seq_routed.py or
+    merged.py): build keeps no router statistics for them, so a calibrated router is calibrated
+    again on all the text (--recalibrate); every other router is the random draw a rebuild
+    makes."""
+    kind = Kind.of_config(config).name  # for messages
     data, recipe = recipe_copy(moe, "add the experts to its recipe and build it")
-    recipe = kind.check_recipe(recipe, config, moe)
+    recipe = assembly.check_recipe(recipe, config, moe)
     _refuse_trained(moe)
-    changing = kind.changing(recipe)
+    changing = assembly.changing(recipe)
     remerging = bool(changing) and not keep_shared
     calibrated = calibrates(recipe)
     old = list(config["expert_names"])
@@ -342,14 +342,14 @@ def _extend_assembly(moe: Path, out: Path, experts: list[Path], config: dict, *,
         jobs = []
         for k, (e, source) in enumerate(zip(new, sources, strict=True)):
             index = len(old) + k
-            made = kind.new_expert_jobs(recipe, config, k, source, index)
-            kind.check_expert(reader, config, source, made, index, f"--expert {e.path}")
+            made = assembly.new_expert_jobs(recipe, config, k, source, index)
+            assembly.check_expert(reader, config, source, made, index, f"--expert {e.path}")
             jobs += made
         readers = [s.reader for s in sources]
         checked = _check_same_base(local_base(recipe, moe, stack), out, new, readers)
         if calibrated and not (recalibrate or remerging):
             raise CheckpointError(f"{moe}: its router was calibrated, and `build` keeps no "
-                                  f"router statistics for {config.get('assembly')} models: "
+                                  f"router statistics for {kind} models: "
                                   "pass --recalibrate (all the calibration text of the recipe "
                                   "copy, which must still exist, and the new experts' texts, "
                                   "calibrated again as build does)")
@@ -359,23 +359,28 @@ def _extend_assembly(moe: Path, out: Path, experts: list[Path], config: dict, *,
             _check_same_base(remerge.base, out, new, readers)
         cal = (_calibration(moe, recipe, new, labels, old_text=True, remerge=remerge)
                if calibrated else None)
-        grown = kind.grown_config(config, sources, [e.name for e in new])
-        tensors = kind.extended_tensors(reader, config, recipe, sources, jobs)
+        grown = assembly.grown_config(config, sources, [e.name for e in new])
+        tensors = assembly.extended_tensors(reader, config, recipe, sources, jobs)
         if remerge is not None:
             tensors = remerge.replace(tensors)
         size = sum(t.dtype.itemsize * math.prod(t.shape) for t in tensors)
         with atomic_output_dir(out, force=force, size=size) as tmp:
             _write(tmp, moe, tensors, grown, recipe.output.max_shard_size,
                    extended_recipe_text(data, new, keep_shared),
-                   _card(moe, old, new, calibrated, config.get("assembly", "merged_experts"),
+                   _card(moe, old, new, calibrated, kind,
                          remerged=remerging))
             copy_modeling_code(tmp)
             if cal is not None:  # build's calibration, on the grown model
-                overwrite_tensors(tmp, kind.calibrated_routers(model_as_stored(tmp), cal))
+                overwrite_tensors(tmp, assembly.calibrated_routers(model_as_stored(tmp), cal))
             if verify and size <= FULL_LOAD_LIMIT:
                 check_loads(tmp)
     return Extended([label.label for label in labels], len(tensors), size,
                     _remerged(changing, remerge), calibrated)
+
+
+# the kinds table's extend targets for them
+extend_seq_routed = partial(_extend_assembly, seq_routed)
+extend_merged_experts = partial(_extend_assembly, merged)
 
 
 def _write(tmp: Path, moe: Path, tensors: list, config: dict, shard_size: str,

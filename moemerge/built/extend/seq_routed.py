@@ -19,7 +19,7 @@ from moemerge.analysis.route import MAX_EXPERTS
 from moemerge.architectures.config import dense_config
 from moemerge.built.extend.recipe import REBUILD, depends_on_experts, loss_targets_error
 from moemerge.built.extend.tensors import check_shapes
-from moemerge.errors import CheckpointError, MismatchError, RecipeError
+from moemerge.errors import MismatchError, RecipeError
 from moemerge.execute import compute
 from moemerge.io.reader import CheckpointReader
 from moemerge.io.tensor_list import DenseTensor, config_dtype
@@ -133,10 +133,3 @@ def router_std(recipe: SeqRoutedRecipe, config: dict) -> float:
 
 def calibrated_routers(model, cal: Calibration) -> dict[str, torch.Tensor]:
     return {ROUTER: calibrate_sequence_router(model, cal)}
-
-
-def refuse_other(config: dict, moe) -> None:
-    if config.get("assembly") != "seq_routed":
-        raise CheckpointError(f"{moe}: a {config.get('assembly')} MoE: its experts sit behind "
-                              "projectors fitted to the whole set (bridged); extend grows "
-                              "token_routed, seq_routed and merged_experts MoEs")

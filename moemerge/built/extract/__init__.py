@@ -15,15 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moemerge.analysis.routing import expert_labels
-from moemerge.architectures.forms import layout_of
-from moemerge.built.extract.choice import expert_index, one_hot, routing_weights
-from moemerge.errors import CheckpointError, RecipeError
+from moemerge.built.extract.choice import expert_index, routing_weights
+from moemerge.errors import RecipeError
 from moemerge.finish.verify import FULL_LOAD_LIMIT, check_loads
 from moemerge.io.atomic import SIDE_FILES, atomic_output_dir, copy_side_files
 from moemerge.io.reader import CheckpointReader, read_config
 from moemerge.io.tensor_list import Extraction, write_order
 from moemerge.io.writer import ShardedWriter, finite
-from moemerge.modeling import is_lora_experts, is_merged_experts, is_sequence_routed
+from moemerge.recipe.kinds import Kind
 
 __all__ = ["Extracted", "extract_expert", "extract_stored_adapter"]
 
@@ -66,40 +65,17 @@ def extract_expert(moe: Path, out: Path, *, expert: str | None = None,
 
 
 def choose_extraction(moe: Path, reader: CheckpointReader, config: dict, expert: str | None,
-                weights: str | None) -> tuple[str, Extraction, str]:
-    """(kind, extraction, label) for the MoE's kind."""
-    from moemerge.built.extract.merged import extract_merged
-    from moemerge.built.extract.seq_routed import extract_seq_routed
-    from moemerge.io.moe_expert import extract_token_routed
-
-    layout = layout_of(config)
-    if layout is not None:
-        count = layout.expert_count(config)
-    elif is_sequence_routed(config) or is_merged_experts(config) or is_lora_experts(config):
-        count = len(config["experts"]) if is_sequence_routed(config) else config["num_experts"]
-    else:
-        raise CheckpointError(f"{moe}: model_type {config.get('model_type')!r} is not an MoE "
-                              "moemerge builds (token_routed, seq_routed, merged_experts, "
-                              "lora_experts)")
-    names = expert_labels(moe, count)
-    if weights is not None and not is_merged_experts(config):
-        raise RecipeError("--weights: only a merged_experts MoE merges its experts' weights; "
-                          "give --expert NAME for this one")
-    if is_merged_experts(config):
-        scores = routing_weights(weights, names) if weights is not None else \
-            one_hot(index := expert_index(expert, names), count)
-        label = names[index] if weights is None else f"weights {weights}"
-        return "merged_experts", extract_merged(reader, config, scores, label), label
+                      weights: str | None) -> tuple[str, Extraction, str]:
+    """(kind, extraction, label): expert `expert` of the MoE, or its experts mixed at `weights`,
+    by the functions its kind's entry names (recipe/kinds.py)."""
+    kind = Kind.of_config(config)
+    extract = kind.command("extract" if weights is None else "extract --weights", moe)
+    names = expert_labels(moe, kind.shape(config)[0])
+    if weights is not None:
+        label = f"weights {weights}"
+        return kind.name, extract(reader, config, routing_weights(weights, names), label), label
     index = expert_index(expert, names)
-    if is_lora_experts(config):
-        from moemerge.built.extract.lora_experts import extract_lora_expert
-
-        return "lora_experts", extract_lora_expert(reader, config, index,
-                                                   names[index]), names[index]
-    if layout is not None:
-        return "token_routed", extract_token_routed(reader, config, layout, index,
-                                                    names[index]), names[index]
-    return "seq_routed", extract_seq_routed(reader, config, index, names[index]), names[index]
+    return kind.name, extract(reader, config, index, names[index]), names[index]
 
 
 def extract_stored_adapter(moe: Path, out: Path, *, expert: str | None, base: str | None,
@@ -110,10 +86,7 @@ def extract_stored_adapter(moe: Path, out: Path, *, expert: str | None, base: st
 
     moe, out = Path(moe), Path(out)
     config = read_config(moe)
-    if not is_lora_experts(config):
-        raise RecipeError(f"--lora stored: {moe} is not an MoE of LoRA experts (model_type "
-                          f"{config.get('model_type')!r}); give --lora RANK|auto --base BASE "
-                          "to fit an adapter to one of its experts")
+    Kind.of_config(config).require("extract --lora stored", moe)  # (or --lora RANK fits one)
     if expert is None:
         raise RecipeError("--lora stored: give --expert NAME (or an index)")
     names = expert_labels(moe, config["num_experts"])

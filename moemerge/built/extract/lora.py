@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from moemerge.architectures.forms import layout_of
 from moemerge.architectures.tables import DenseFamily, family_for_config
 from moemerge.built.extract import choose_extraction
 from moemerge.built.extract.lora_files import adapter_config, card, report_json
@@ -39,8 +38,8 @@ from moemerge.io.resolve import resolve_model
 from moemerge.io.tensor_list import Extraction, write_order
 from moemerge.io.writer import ShardedWriter, finite
 from moemerge.merge.lowrank import energy_share, lora_factors, rank_for_share, singular_values
-from moemerge.modeling import is_merged_experts, is_sequence_routed
 from moemerge.progress import Stages
+from moemerge.recipe.kinds import Kind
 
 __all__ = ["LoraExtracted", "ModuleDelta", "extract_lora"]
 
@@ -193,7 +192,7 @@ def extract_lora(model: Path, out: Path, *, base: str, rank: int | None, share: 
     base_dir = resolve_model(base)
     config = read_config(model)
     with CheckpointReader(model) as reader:
-        if is_moe(config):
+        if Kind.of_config(config).moe:
             if (expert is None) == (weights is None):
                 raise RecipeError(f"{model} is an MoE: give --expert NAME (or an index), or "
                                   "--weights (merged_experts), not both, to say which expert "
@@ -209,11 +208,6 @@ def extract_lora(model: Path, out: Path, *, base: str, rank: int | None, share: 
         return write_adapter(tuned, where, base_dir, out, label=label, kind=kind, rank=rank,
                              share=share, device=device, force=force, progress=progress,
                              side_files=model)
-
-
-def is_moe(config: dict) -> bool:
-    return layout_of(config) is not None or is_sequence_routed(config) or \
-        is_merged_experts(config)
 
 
 def write_adapter(tuned: Extraction, where: tuple[str, str], base_dir: Path, out: Path, *,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from moemerge.architectures.config import dense_config
+from moemerge.built.extract.choice import one_hot
 from moemerge.errors import CheckpointError
 from moemerge.io.reader import CheckpointReader
 from moemerge.io.tensor_list import DenseTensor, Extraction, config_dtype, resolve_tie
@@ -84,3 +85,9 @@ def extract_merged(reader: CheckpointReader, config: dict, scores: list[float],
                        "embedding and head")
     return extraction
 
+
+
+def extract_merged_expert(reader: CheckpointReader, config: dict, expert: int,
+                          label: str) -> Extraction:
+    """Expert `expert` alone: the merged FFNs at the one-hot scores."""
+    return extract_merged(reader, config, one_hot(expert, config["num_experts"]), label)

@@ -19,12 +19,6 @@ SHARED = {"embed_tokens.weight": EMBED, "lm_head.weight": HEAD}
 
 def extract_seq_routed(reader: CheckpointReader, config: dict, expert: int,
                        label: str) -> Extraction:
-    if config.get("assembly") != "seq_routed":
-        raise CheckpointError(
-            f"assembly {config.get('assembly')!r}: a bridged expert runs between a shared "
-            "embedding and head of another width through learned projectors (an MLP each), "
-            "which no dense model of its family computes; only seq_routed experts (and "
-            "token_routed / merged_experts ones) can be extracted")
     source = config["experts"][expert]
     extraction = Extraction(dense_config(source, config_dtype(source)))
     own = f"experts.{expert}."
