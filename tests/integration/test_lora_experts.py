@@ -255,6 +255,21 @@ def test_extract_gives_the_expert_as_peft_would(llama, adapters, built, tmp_path
         in output, output
 
 
+def test_extract_lora_rank_refits_an_expert_as_any_moes(llama, adapters, built, tmp_path):
+    """--lora RANK on an expert of an MoE of LoRA experts: its dense weights (the base with the
+    adapter merged) fitted again by SVD, as for any MoE's expert (it was refused as "a dense
+    model" before the kinds table read it back). At the stored rank the SVD is exact: peft's
+    logits of the original adapter; at rank 1 of a rank-4 adapter it is not."""
+    want = peft.PeftModel.from_pretrained(load(llama), adapters[0]).eval()
+    for rank, exact in (("4", True), ("1", False)):
+        out = tmp_path / f"r{rank}"
+        code, output = run("extract", built, out, "--expert", "e0", "--lora", rank, "--base",
+                           llama)
+        assert code == 0, output
+        got = logits(peft.PeftModel.from_pretrained(load(llama), out).eval())
+        assert torch.allclose(got, logits(want), **LOGITS) == exact, rank
+
+
 def test_dry_run_says_what_each_stack_is_made_of(llama, adapters, tmp_path):
     result, _ = build(tmp_path, recipe_of(llama, adapters), dry_run=True)
     lines = {j.output: result.plan.describe_job(j) for j in result.plan.jobs}
