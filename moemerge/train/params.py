@@ -27,9 +27,10 @@ from __future__ import annotations
 import torch
 
 from moemerge.architectures.forms import layout_of, moe_names, name_pattern
-from moemerge.architectures.tables import MoELayout
+from moemerge.architectures.tables import MoELayout, moe_layouts
 from moemerge.errors import MismatchError, OutputError, RecipeError
 from moemerge.recipe.kinds import Kind
+from moemerge.routing.modules import router_paths
 
 PROJECTOR_NAMES = ("proj_in", "proj_out")
 # config keys of the token-routed MoEs whose forward returns a load-balancing loss (aux_loss):
@@ -57,11 +58,15 @@ def router_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 def gated_routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """Token-routed (and any model not known to be another kind): the router is `gate` (Mixtral,
-    Qwen MoEs, FlexOlmo) or `router` (GraniteMoE) next to `experts`; none in a dense model."""
-    attr = "gate" if moe_blocks(model) else "router"
-    return {f"{name}.{attr}": getattr(block, attr)
-            for name, block in moe_blocks(model, attr).items()}
+    """Token-routed (and any model not known to be another kind): the router is the child of
+    an MoE block next to `experts` that a moe.yaml layout's `router` names (`gate`: Mixtral,
+    Qwen MoEs, FlexOlmo; `router`: GraniteMoE); none in a dense model."""
+    for attr in dict.fromkeys(path[0] for layout in moe_layouts().values()
+                              for path in router_paths(layout)):
+        blocks = moe_blocks(model, attr)
+        if blocks:
+            return {f"{name}.{attr}": getattr(block, attr) for name, block in blocks.items()}
+    return {}
 
 
 def sequence_router(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
