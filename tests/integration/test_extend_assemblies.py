@@ -242,7 +242,8 @@ def test_refusals_say_what_to_do(sources, model_factory, tmp_path):
         code, out = run(free, "--expert", str(other), "--keep-shared")
         assert code == 1 and "same base" in out, out
     code, out = run(experts["marks"], *marks)  # a dense model
-    assert code == 1 and "seq_routed or merged_experts" in out, out
+    assert code == 1 and "is a dense model; `moemerge extend` takes only token_routed, " \
+        "seq_routed and merged_experts models" in out, out
     bare = perturbed_copy(free, tmp_path / "bare", scale=0.0, seed=0)
     (bare / RECIPE_COPY).unlink()
     code, out = run(bare, *marks, "--keep-shared")

@@ -47,7 +47,7 @@ NOT_OUTPUTS = {
     ("extract", "base"), ("extract", "device"),
     ("extend", "model"), ("extend", "expert"), ("extend", "name"), ("extend", "calibration"),
     ("shrink", "model"), ("shrink", "calibration"), ("shrink", "method"), ("shrink", "saliency"),
-    ("shrink", "merge_method"),
+    ("shrink", "merge_method"), ("shrink", "text_field"),
     ("finetune", "model"), ("finetune", "config"), ("finetune", "data"), ("finetune", "train"),
     ("finetune", "text_field"), ("finetune", "label_field"), ("finetune", "schedule"),
     ("finetune", "device"), ("finetune", "autocast"), ("import-mergekit", "config"),
