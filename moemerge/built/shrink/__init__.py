@@ -78,11 +78,6 @@ def _check(moe: Path, config: dict, recipe: ShrinkRecipe):
         raise CheckpointError(
             f"{moe}: model_type {config.get('model_type')!r} is not a token-routed MoE "
             f"({moe_names()}); shrink removes experts from one of those")
-    if layout.router_scoring != "softmax":  # the statistics route as a softmax router does
-        raise CheckpointError(f"{moe}: {layout.architecture} routes by {layout.router_scoring} "
-                              "scores with a per-expert bias, which shrink's statistics do not "
-                              "compute (they route by softmax, top-k); shrink takes MoEs with "
-                              "softmax routers")
     before = layout.expert_count(config)
     kept = recipe.kept(before)
     if kept > before:
